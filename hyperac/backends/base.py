@@ -1,0 +1,211 @@
+"""The backend interface: the few device operations hyperac's core needs.
+
+A backend is an accelerator family named by its torch device type (``cuda``, ``npu``, ``cpu``).
+The core asks its backend for streams, events, host buffers, memory statistics and the
+dispatcher ops the selective policy must keep; it never names a vendor module itself.
+
+Streams and events come from the backend's torch device module (``torch.cuda``, ``torch.npu``),
+looked up when first needed, so importing hyperac initialises no device and imports no vendor
+package. Op handles are resolved when asked for, never at import, so ops registered later (by
+``torch_npu`` or a custom kernel library) are seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["Backend", "DeviceModuleBackend", "NullEvent", "NullStream", "resolve_ops"]
+
+
+def resolve_ops(qualified_names: Iterable[str]) -> frozenset:
+    """Return the dispatcher overloads named ``namespace::op.overload`` that exist right now.
+
+    Names whose namespace or op is not registered (a vendor library not imported, an op added in
+    a later torch) are left out without error.
+    """
+    found = set()
+    for qualified in qualified_names:
+        namespace, _, op_and_overload = qualified.partition("::")
+        op_name, _, overload = op_and_overload.partition(".")
+        try:
+            packet = getattr(getattr(torch.ops, namespace), op_name)
+            found.add(getattr(packet, overload or "default"))
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(found)
+
+
+_GENERIC_ATTENTION_OPS = (
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_fused_attention_overrideable",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+    "aten::_flex_attention",
+)
+
+_GENERIC_COMMUNICATION_OPS = (
+    "_c10d_functional::all_to_all_single",
+    "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_reduce",
+    "c10d::alltoall_base_",
+    "c10d::_reduce_scatter_base_",
+    "c10d::reduce_scatter_tensor_coalesced_",
+    "c10d::allreduce_",
+)
+
+
+class NullStream:
+    """A stream that does nothing: work is already ordered on a backend without streams."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing is in flight."""
+
+
+class NullEvent:
+    """An event that is always complete."""
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to record."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing is in flight."""
+
+
+class Backend:
+    """What the core needs from an accelerator family. Subclass and register with
+    :func:`hyperac.register_backend`; override only what differs from the defaults here.
+
+    The defaults describe a backend without streams (copies are synchronous, events complete at
+    once, no pinned memory, no memory statistics).
+    """
+
+    name: ClassVar[str]
+    """The torch device type, so that ``torch.device(backend.name)`` works."""
+    auto_priority: ClassVar[int | None] = None
+    """Order in which ``backend="auto"`` probes backends (highest first); ``None`` never picks it."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run here (package missing, no device visible), or ``None``.
+
+        Cheap and side-effect free apart from importing the vendor package when it is installed.
+        """
+        return None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.unavailable_reason() is None
+
+    def device(self, index: int | None = None) -> torch.device:
+        """The device tensors of this backend live on."""
+        return torch.device(self.name, index) if index is not None else torch.device(self.name)
+
+    def new_stream(self) -> Any:
+        """A side stream for copies (a :class:`NullStream` where there are no streams)."""
+        return NullStream()
+
+    def current_stream(self) -> Any:
+        """The stream compute is issued on."""
+        return NullStream()
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """A context manager that issues work on ``stream``."""
+        return contextlib.nullcontext()
+
+    def new_event(self) -> Any:
+        """An event that can be recorded on a stream and waited on."""
+        return NullEvent()
+
+    def wait(self, event: Any) -> None:
+        """Make the current stream wait for ``event`` (a device-side wait, not a host sync)."""
+        self.current_stream().wait_event(event)
+
+    def supports_pinned_memory(self) -> bool:
+        return False
+
+    def host_empty(self, like: torch.Tensor, pinned: bool = True) -> torch.Tensor:
+        """An uninitialised host tensor shaped like ``like``; pinned when asked and supported."""
+        pin = pinned and self.supports_pinned_memory()
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+
+    def synchronize(self) -> None:
+        """Wait for all work on this backend's current device."""
+
+    def memory_allocated(self) -> int:
+        """Bytes currently allocated on the device (0 where not measurable)."""
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        """Peak bytes allocated since the last reset (0 where not measurable)."""
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak measurement."""
+
+    def attention_ops(self) -> frozenset:
+        """Attention overloads whose outputs the selective policy keeps."""
+        return resolve_ops(_GENERIC_ATTENTION_OPS)
+
+    def communication_ops(self) -> frozenset:
+        """Collective overloads whose outputs the selective policy keeps (never replayed)."""
+        return resolve_ops(_GENERIC_COMMUNICATION_OPS)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class DeviceModuleBackend(Backend):
+    """A backend whose streams, events and statistics come from ``torch.<name>``.
+
+    ``torch.cuda`` and the ``torch.npu`` module that ``torch_npu`` installs share this surface, so
+    the CUDA and NPU backends differ only in how they are probed and in their op handles.
+    """
+
+    def _module(self) -> Any:
+        return getattr(torch, self.name)
+
+    def new_stream(self) -> Any:
+        return self._module().Stream()
+
+    def current_stream(self) -> Any:
+        return self._module().current_stream()
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return self._module().stream(stream)
+
+    def new_event(self) -> Any:
+        return self._module().Event()
+
+    def supports_pinned_memory(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self._module().synchronize()
+
+    def memory_allocated(self) -> int:
+        return int(self._module().memory_allocated())
+
+    def max_memory_allocated(self) -> int:
+        return int(self._module().max_memory_allocated())
+
+    def reset_peak_memory_stats(self) -> None:
+        self._module().reset_peak_memory_stats()

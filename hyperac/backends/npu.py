@@ -1,0 +1,54 @@
+"""The Ascend NPU backend, through ``torch_npu``.
+
+``torch_npu`` is imported only when this backend is probed or used, never when hyperac is
+imported. It installs the ``torch.npu`` device module (streams, events, memory statistics, the
+same surface as ``torch.cuda``) and registers its kernels under ``torch.ops.npu``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import ClassVar
+
+import torch
+
+from .base import _GENERIC_COMMUNICATION_OPS, DeviceModuleBackend, resolve_ops
+from .registry import register_backend
+
+_NPU_ATTENTION_OPS = (
+    "npu::npu_fusion_attention",
+    "npu::npu_fusion_attention_v3",
+)
+
+# Matmul kernels fused with a collective (Ascend "MC2"): their outputs carry communication.
+_NPU_COMMUNICATION_OPS = (
+    "npu::npu_mm_all_reduce_base",
+    "npu::npu_all_gather_base_mm",
+    "npu::npu_mm_reduce_scatter_base",
+)
+
+
+@register_backend
+class NpuBackend(DeviceModuleBackend):
+    """Ascend NPUs through ``torch_npu``; probed before CUDA by ``backend="auto"`` because
+    ``torch_npu`` can make ``torch.cuda.is_available()`` report true."""
+
+    name: ClassVar[str] = "npu"
+    auto_priority: ClassVar[int | None] = 30
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("torch_npu") is None:
+            return "the torch_npu package is not installed; install torch-npu matching your torch version"
+        importlib.import_module("torch_npu")
+        module = getattr(torch, "npu", None)
+        if module is None or not module.is_available():
+            return "torch_npu is installed but no NPU device is visible (check ASCEND_RT_VISIBLE_DEVICES)"
+        return None
+
+    def attention_ops(self) -> frozenset:
+        return super().attention_ops() | resolve_ops(_NPU_ATTENTION_OPS)
+
+    def communication_ops(self) -> frozenset:
+        return resolve_ops(_GENERIC_COMMUNICATION_OPS + _NPU_COMMUNICATION_OPS)

@@ -1,0 +1,191 @@
+"""Every option of :func:`hyperac.apply`, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from .errors import ConfigError
+
+__all__ = ["MODES", "Config", "LayerRule", "LayerSpec"]
+
+MODES = ("off", "full", "selective")
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
+
+
+class LayerRule(NamedTuple):
+    """Mode for the flat layer indices ``first..last`` (inclusive; ``last=None``: to the end)."""
+
+    first: int
+    last: int | None
+    mode: str
+
+
+class LayerSpec(NamedTuple):
+    """The parsed ``layers`` option.
+
+    ``containers``: explicit container paths (``None``: discover them). ``rules``: per-layer
+    modes keyed by container path (``""``: flat indices across all containers).
+    """
+
+    containers: tuple[str, ...] | None
+    rules: Mapping[str, tuple[LayerRule, ...]]
+
+
+def _is_strict_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _check_bool(field: str, value: Any) -> None:
+    if not _is_strict_bool(value):
+        raise ConfigError(
+            f"Config.{field} must be a bool (True or False), got {value!r} of type {type(value).__name__}."
+        )
+
+
+def _parse_mode(where: str, value: Any) -> str:
+    if value is False:  # YAML reads a bare `off` as False
+        return "off"
+    if isinstance(value, str) and value in MODES:
+        return value
+    raise ConfigError(
+        f"{where} must be one of {', '.join(repr(m) for m in MODES)} (or False for 'off'), got {value!r}."
+    )
+
+
+def _parse_rules(where: str, mapping: Mapping[Any, Any]) -> tuple[LayerRule, ...]:
+    rules = []
+    for key, value in mapping.items():
+        mode = _parse_mode(f"{where}[{key!r}]", value)
+        if isinstance(key, bool):
+            raise ConfigError(f"{where} key {key!r} is a bool; use a layer index like 3 or a range like '0-3'.")
+        if isinstance(key, int):
+            if key < 0:
+                raise ConfigError(f"{where} key {key!r} is negative; layer indices start at 0.")
+            rules.append(LayerRule(key, key, mode))
+            continue
+        match = _RANGE.match(key) if isinstance(key, str) else None
+        if match is None:
+            raise ConfigError(
+                f"{where} key {key!r} is not a layer index or range; use 3, '3', '0-3' or '4-' (to the end)."
+            )
+        first = int(match.group(1))
+        last = None if match.group(2) and not match.group(3) else int(match.group(3) or first)
+        if last is not None and last < first:
+            raise ConfigError(f"{where} range {key!r} ends before it starts; write it as '{last}-{first}'.")
+        rules.append(LayerRule(first, last, mode))
+    rules.sort(key=lambda r: r.first)
+    for before, after in zip(rules, rules[1:]):
+        if before.last is None or before.last >= after.first:
+            raise ConfigError(
+                f"{where} entries overlap: layers {_describe(before)} and {_describe(after)}; "
+                "give each layer one mode."
+            )
+    return tuple(rules)
+
+
+def _describe(rule: LayerRule) -> str:
+    if rule.last == rule.first:
+        return str(rule.first)
+    return f"{rule.first}-{'' if rule.last is None else rule.last}"
+
+
+def _is_index_key(key: Any) -> bool:
+    return isinstance(key, int) or (isinstance(key, str) and _RANGE.match(key) is not None)
+
+
+def parse_layers(value: Any) -> LayerSpec:
+    """Parse ``Config.layers``; raise :class:`ConfigError` naming the bad part."""
+    if value is None:
+        return LayerSpec(None, {})
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, Mapping):
+        if not value:
+            raise ConfigError("Config.layers is an empty mapping; pass None to recompute every layer.")
+        index_keys = [k for k in value if _is_index_key(k) or isinstance(k, bool)]
+        if len(index_keys) == len(value):
+            return LayerSpec(None, {"": _parse_rules("Config.layers", value)})
+        if index_keys:
+            raise ConfigError(
+                f"Config.layers mixes layer indices {index_keys!r} with container paths; use flat indices "
+                "only, or container paths only (each mapped to a mode or to its own index mapping)."
+            )
+        rules = {}
+        for path, sub in value.items():
+            where = f"Config.layers[{path!r}]"
+            if isinstance(sub, Mapping):
+                rules[path] = _parse_rules(where, sub)
+            else:
+                rules[path] = (LayerRule(0, None, _parse_mode(where, sub)),)
+        return LayerSpec(tuple(value), rules)
+    if isinstance(value, Sequence) and value and all(isinstance(p, str) and p for p in value):
+        if len(set(value)) != len(value):
+            raise ConfigError(f"Config.layers lists a container path twice: {list(value)!r}.")
+        return LayerSpec(tuple(value), {})
+    raise ConfigError(
+        f"Config.layers must be None, a container path like 'model.blocks', a list of paths, or a mapping "
+        f"of layer index/range to mode like {{'0-3': 'full', 7: 'off'}}; got {value!r}."
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """How :func:`hyperac.apply` changes a model. Every field is validated on construction."""
+
+    mode: str = "full"
+    """Default mode of each layer: ``"off"`` keeps every activation, ``"full"`` keeps only the
+    layer input and recomputes the layer in backward, ``"selective"`` keeps the outputs of
+    expensive ops (every other matmul, attention, collectives) and recomputes the rest."""
+
+    backend: Any = "auto"
+    """``"auto"`` (NPU, then CUDA, then CPU), a registered backend name, or a Backend instance."""
+
+    layers: Any = None
+    """Which layers, and per-layer modes. ``None``: discover the repeated layers. A container path
+    (``"model.blocks"``) or a list of them: those containers' children. A mapping of flat layer
+    index or inclusive range to mode (``{"0-3": "full", "4-": "selective", 7: "off"}``); layers it
+    does not name get ``mode``. A mapping of container path to a mode or to such an index mapping."""
+
+    compile: bool = False
+    """The layers will run under ``torch.compile``: use the stateless selective policy (saves
+    every matmul) that the compiler can trace."""
+
+    allow_cache_entry_mutation: bool = False
+    """Selective mode: allow in-place changes to a saved op output (skips PyTorch's version check);
+    only for deterministic in-place rewrites."""
+
+    adapter: Any = None
+    """Recompute regions inside layers. ``None``: the adapter registered for the model's
+    ``model_type`` or architecture, if any. An :class:`hyperac.Adapter`, a registered name, or
+    ``"none"`` to recompute whole layers even when an adapter is registered."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise ConfigError(
+                f"Config.mode must be one of {', '.join(repr(m) for m in MODES)}, got {self.mode!r}; "
+                "e.g. mode='selective'."
+            )
+        _check_bool("compile", self.compile)
+        _check_bool("allow_cache_entry_mutation", self.allow_cache_entry_mutation)
+        from .adapters import Adapter
+        from .backends import Backend
+
+        if not isinstance(self.backend, (str, Backend)):
+            raise ConfigError(
+                f"Config.backend must be 'auto', a backend name like 'cuda', or a Backend instance; "
+                f"got {self.backend!r}."
+            )
+        if not (self.adapter is None or isinstance(self.adapter, (str, Adapter))):
+            raise ConfigError(
+                f"Config.adapter must be None, 'none', a registered adapter name or a hyperac.Adapter; "
+                f"got {self.adapter!r}."
+            )
+        object.__setattr__(self, "_layer_spec", parse_layers(self.layers))
+
+    @property
+    def layer_spec(self) -> LayerSpec:
+        """The parsed ``layers`` option."""
+        return self._layer_spec  # type: ignore[attr-defined]

@@ -1,0 +1,49 @@
+"""Exceptions and the warning category of hyperac.
+
+Every error inherits :class:`HyperACError` and the builtin a caller would already catch, so
+``except ValueError`` keeps working around :func:`hyperac.apply`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = [
+    "BackendUnavailableError",
+    "ConfigError",
+    "HyperACError",
+    "HyperACWarning",
+    "UnsupportedModelError",
+    "warn_once",
+]
+
+
+class HyperACError(Exception):
+    """Base class of every error hyperac raises."""
+
+
+class ConfigError(HyperACError, ValueError):
+    """An option of :func:`hyperac.apply` has the wrong type or value, or options conflict."""
+
+
+class BackendUnavailableError(HyperACError, RuntimeError):
+    """An explicitly requested backend cannot run here (package missing or no device visible)."""
+
+
+class UnsupportedModelError(HyperACError, TypeError):
+    """The model has nothing hyperac can recompute, or is in a state hyperac must not touch."""
+
+
+class HyperACWarning(UserWarning):
+    """An option that has no effect here, or a fallback hyperac chose for the user."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 3) -> None:
+    """Emit ``message`` as a :class:`HyperACWarning` the first time this process sees it."""
+    if message in _warned:
+        return
+    _warned.add(message)
+    warnings.warn(message, HyperACWarning, stacklevel=stacklevel)

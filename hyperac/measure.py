@@ -1,0 +1,98 @@
+"""Device-neutral measurements: activation bytes kept for backward, and FLOPs.
+
+Device memory cannot be read on every machine, so hyperac measures what does not depend on the
+device: the bytes of storages created during forward that are still alive when backward starts
+(:class:`ActivationMeter`, which also sees selective-recompute caches that ``saved_tensors_hooks``
+miss), and the FLOPs of forward plus backward (:func:`flop_counter`, which counts the CPU
+flash-attention kernels that torch's own table leaves at zero).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+__all__ = ["ActivationMeter", "flop_counter"]
+
+
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward_flops(grad_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+    return sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape)
+
+
+def flop_counter(display: bool = False) -> FlopCounterMode:
+    """A ``FlopCounterMode`` that also counts ``aten._scaled_dot_product_flash_attention_for_cpu``
+    and its backward; wrap forward and backward together in it."""
+    aten = torch.ops.aten
+    mapping = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_attention_flops
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_attention_backward_flops
+    return FlopCounterMode(display=display, custom_mapping=mapping)
+
+
+class ActivationMeter(TorchDispatchMode):
+    """Counts the bytes of storages created during forward that are alive when backward starts.
+
+    Enter it around forward *and* backward (a mode present only in forward would change the op
+    stream a selective replay sees); call :meth:`mark_backward` between them::
+
+        with ActivationMeter() as meter:
+            loss = model(**batch).loss
+            meter.mark_backward()
+            loss.backward()
+        meter.activation_bytes
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}
+        self._recording = True
+        self.activation_bytes: int | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._recording:
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor):
+                    self._record(value)
+        return out
+
+    def _record(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._storages and self._storages[key][0]() is storage:
+            return
+        self._storages[key] = (weakref.ref(storage), storage.nbytes())
+
+    def alive_bytes(self) -> int:
+        """Bytes of the recorded storages that are still alive (and not resized away) now."""
+        total = 0
+        for ref, _ in self._storages.values():
+            storage = ref()
+            if storage is not None:
+                total += storage.nbytes()
+        return total
+
+    def mark_backward(self) -> int:
+        """Stop recording and count what forward left alive; returns that byte count."""
+        self._recording = False
+        self.activation_bytes = self.alive_bytes()
+        return self.activation_bytes
+
+
+def measure_step(model: Any, loss_fn: Any) -> tuple[int, int]:
+    """Run ``loss_fn(model)`` and its backward once; return (activation bytes, total FLOPs)."""
+    with flop_counter() as flops, ActivationMeter() as meter:
+        loss = loss_fn(model)
+        meter.mark_backward()
+        loss.backward()
+    return int(meter.activation_bytes or 0), int(flops.get_total_flops())

@@ -1,0 +1,107 @@
+"""What :func:`hyperac.apply` did to each layer: the returned :class:`Plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from .config import Config, LayerRule
+from .discovery import Layer
+from .errors import ConfigError
+
+__all__ = ["LayerPlan", "Plan", "assign_modes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """One layer's treatment."""
+
+    index: int
+    """Flat index across containers."""
+    fqn: str
+    """Dotted name of the layer."""
+    mode: str
+    """``off``, ``full`` or ``selective``."""
+    recomputed: tuple[str, ...] = ()
+    """Dotted names of the modules replayed in backward: the layer itself, or regions inside it."""
+    excluded: tuple[str, ...] = ()
+    """Modules inside those regions that run once and are not replayed."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The applied plan: backend, adapter and per-layer modes. ``str(plan)`` is a short table."""
+
+    backend: str
+    adapter: str
+    layers: tuple[LayerPlan, ...]
+    notes: tuple[str, ...] = ()
+
+    def count(self, mode: str) -> int:
+        return sum(1 for layer in self.layers if layer.mode == mode)
+
+    def summary(self) -> str:
+        """One line: backend, adapter and how many layers got each mode."""
+        counts = ", ".join(
+            f"{n} {mode}" for mode in ("full", "selective", "off") if (n := self.count(mode))
+        )
+        return f"hyperac: backend {self.backend}, adapter {self.adapter}, {len(self.layers)} layers: {counts}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "adapter": self.adapter,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        width = max([len("layer")] + [len(layer.fqn) for layer in self.layers])
+        lines = [self.summary(), f"{'#':>4}  {'layer':<{width}}  {'mode':<9}  recomputed"]
+        for layer in self.layers:
+            lines.append(f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.mode:<9}  {_describe_targets(layer)}")
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _describe_targets(layer: LayerPlan) -> str:
+    if not layer.recomputed:
+        return "-"
+    if layer.recomputed == (layer.fqn,):
+        text = "whole layer"
+    else:
+        text = ", ".join(t[len(layer.fqn) + 1:] or t for t in layer.recomputed)
+    if layer.excluded:
+        text += " (not replayed: " + ", ".join(e[len(layer.fqn) + 1:] for e in layer.excluded) + ")"
+    return text
+
+
+def _apply_rules(modes: list[str], rules: Sequence[LayerRule], where: str, names: str) -> None:
+    for rule in rules:
+        last = len(modes) - 1 if rule.last is None else rule.last
+        if rule.first > len(modes) - 1 or last > len(modes) - 1:
+            bad = rule.first if rule.first > len(modes) - 1 else last
+            raise ConfigError(
+                f"{where} names layer {bad}, but {names} has {len(modes)} layers (0-{len(modes) - 1}); "
+                "use an index in that range or an open range like '4-'."
+            )
+        modes[rule.first:last + 1] = [rule.mode] * (last + 1 - rule.first)
+
+
+def assign_modes(layers: Sequence[Layer], config: Config) -> list[str]:
+    """Each layer's mode: ``config.mode``, overridden by the per-layer rules of ``config.layers``."""
+    modes = [config.mode] * len(layers)
+    for container, rules in config.layer_spec.rules.items():
+        if container == "":
+            _apply_rules(modes, rules, "Config.layers", "the model")
+            continue
+        positions = [i for i, layer in enumerate(layers) if layer.container == container]
+        local = [modes[i] for i in positions]
+        _apply_rules(local, rules, f"Config.layers[{container!r}]", repr(container))
+        for position, mode in zip(positions, local):
+            modes[position] = mode
+    return modes
