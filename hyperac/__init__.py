@@ -10,11 +10,12 @@ op-level selective policy), with gradients unchanged; one call undoes it::
 """
 
 from .adapters import Adapter, register_adapter, unregister_adapter
-from .api import applied_plan, apply, remove
+from .api import applied_plan, apply, remove, swap_stats
 from .backends import Backend, available_backends, get_backend, register_backend
 from .config import Config
 from .errors import BackendUnavailableError, ConfigError, HyperACError, HyperACWarning, UnsupportedModelError
 from .plan import LayerPlan, Plan
+from .swap import SwapStats
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "HyperACWarning",
     "LayerPlan",
     "Plan",
+    "SwapStats",
     "UnsupportedModelError",
     "applied_plan",
     "apply",
@@ -36,5 +38,6 @@ __all__ = [
     "register_adapter",
     "register_backend",
     "remove",
+    "swap_stats",
     "unregister_adapter",
 ]

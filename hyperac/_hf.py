@@ -6,12 +6,14 @@ attributes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["disable_use_cache", "has_kv_sharing", "recompute_already_enabled", "sub_module_targets"]
+__all__ = ["configs", "disable_use_cache", "has_kv_sharing", "recompute_already_enabled", "sub_module_targets"]
+
+Modules = list[tuple[str, nn.Module]]
 
 # Sub-modules recomputed on their own when a layer's attention must not be replayed (KV sharing):
 # one attribute per group, the first present wins.
@@ -22,23 +24,25 @@ _SUB_MODULE_GROUPS = (
 )
 
 
-def _configs(model: nn.Module) -> Iterator[Any]:
+def configs(modules: Modules) -> list[Any]:
     """Every distinct config object of the model and of its sub-models, with their sub-configs."""
+    found: list[Any] = []
     seen: set[int] = set()
-    pending = [getattr(m, "config", None) for m in model.modules()]
+    pending = [m.__dict__.get("config") for _, m in modules]
     while pending:
         config = pending.pop()
         if config is None or id(config) in seen or not hasattr(config, "to_dict"):
             continue
         seen.add(id(config))
-        yield config
+        found.append(config)
         sub_configs = getattr(type(config), "sub_configs", None) or {}
         pending.extend(getattr(config, name, None) for name in sub_configs)
+    return found
 
 
-def disable_use_cache(model: nn.Module, undo: list[Callable[[], None]]) -> None:
+def disable_use_cache(all_configs: list[Any], undo: list[Callable[[], None]]) -> None:
     """Set ``use_cache=False`` on every config that has it; push the restoring calls on ``undo``."""
-    for config in _configs(model):
+    for config in all_configs:
         value = getattr(config, "use_cache", None)
         if value is None or value is False:
             continue
@@ -46,16 +50,16 @@ def disable_use_cache(model: nn.Module, undo: list[Callable[[], None]]) -> None:
         undo.append(lambda config=config, value=value: setattr(config, "use_cache", value))
 
 
-def has_kv_sharing(model: nn.Module) -> bool:
+def has_kv_sharing(all_configs: list[Any]) -> bool:
     """Whether later layers reuse keys and values an earlier layer's attention publishes."""
-    return any((getattr(config, "num_kv_shared_layers", 0) or 0) > 0 for config in _configs(model))
+    return any((getattr(config, "num_kv_shared_layers", 0) or 0) > 0 for config in all_configs)
 
 
-def recompute_already_enabled(model: nn.Module) -> str | None:
+def recompute_already_enabled(modules: Modules) -> str | None:
     """The name of a module whose HF activation checkpointing is on, if any."""
-    for name, module in model.named_modules():
+    for name, module in modules:
         if module.__dict__.get("gradient_checkpointing") is True:
-            return name or type(model).__name__
+            return name or type(module).__name__
     return None
 
 

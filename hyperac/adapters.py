@@ -27,7 +27,9 @@ __all__ = ["Adapter", "Regions", "find_adapter", "register_adapter", "resolve_re
 
 def _check_patterns(field: str, value: Any, allow_empty: bool) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise ConfigError(f"Adapter.{field} must be a tuple of glob patterns like ('model.layers.*.mlp',), got {value!r}.")
+        raise ConfigError(
+            f"Adapter.{field} must be a tuple of glob patterns like ('model.layers.*.mlp',), got {value!r}."
+        )
     patterns = tuple(value)
     if not patterns and not allow_empty:
         raise ConfigError(f"Adapter.{field} is empty; give at least one glob pattern like 'model.layers.*'.")
@@ -163,15 +165,14 @@ def resolve_regions(
     for layer_fqn in layer_fqns:
         inside = [f for f in modules if _under(f, layer_fqn)]
         roots = _outermost([f for f in inside if any(fnmatch.fnmatchcase(f, p) for p in adapter.region_patterns)])
-        excluded = [
+        # Match exclusions against the whole layer, so that one containing a region root is reported
+        # as such; only those inside a region take effect.
+        matched = [
             f for f in inside
-            if any(_under(f, r) for r in roots)
-            and (
-                any(fnmatch.fnmatchcase(f, p) for p in adapter.exclude_patterns)
-                or (adapter.exclude_predicate is not None and adapter.exclude_predicate(f, modules[f]))
-            )
+            if any(fnmatch.fnmatchcase(f, p) for p in adapter.exclude_patterns)
+            or (adapter.exclude_predicate is not None and adapter.exclude_predicate(f, modules[f]))
         ]
-        for fqn in excluded:
+        for fqn in matched:
             for root in roots:
                 if _under(root, fqn):
                     relation = "is also excluded" if root == fqn else f"lies inside excluded module {fqn!r}"
@@ -179,6 +180,8 @@ def resolve_regions(
                         f"recompute region root {root!r} {relation}; a region must be replayed, so narrow "
                         "Adapter.exclude_patterns to modules strictly inside the region."
                     )
+        excluded = [f for f in matched if any(_under(f, r) for r in roots)]
+        for fqn in excluded:
             outer = [o for o in excluded if o != fqn and _under(fqn, o)]
             if outer:
                 raise ConfigError(

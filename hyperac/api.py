@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -12,15 +14,16 @@ from torch import nn
 
 from . import _hf
 from .adapters import Adapter, find_adapter, resolve_regions
-from .backends import get_backend
-from .config import Config
+from .backends import Backend, get_backend
+from .config import RECOMPUTE_MODES, Config
 from .discovery import Layer, discover_layers
-from .errors import ConfigError, HyperACWarning, UnsupportedModelError
+from .errors import ConfigError, HyperACWarning, UnsupportedModelError, warn_once
 from .plan import LayerPlan, Plan, assign_modes
-from .policy import resolve_op_sets
-from .recompute import build_context_fn, install_exclusion, install_recompute, restore_forward
+from .policy import OpSets, resolve_op_sets
+from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap, restore_forward
+from .swap import LayerSwap, SwapManager, SwapStats
 
-__all__ = ["apply", "applied_plan", "remove"]
+__all__ = ["applied_plan", "apply", "remove", "swap_stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ _UNSET: Any = object()
 class _AppliedState:
     plan: Plan
     undo: list[Callable[[], None]]
+    swap: SwapManager | None
 
 
 def _resolve_config(config: Config | None, fields: dict[str, Any]) -> Config:
@@ -48,7 +52,8 @@ def _resolve_config(config: Config | None, fields: dict[str, Any]) -> Config:
     return config
 
 
-def _check_model(model: Any) -> None:
+def _check_model(model: Any) -> list[tuple[str, nn.Module]]:
+    """Refuse models hyperac must not touch; return ``model.named_modules()`` as a list."""
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"hyperac.apply needs a torch.nn.Module, got {type(model).__name__}.")
     if _STATE in model.__dict__:
@@ -60,29 +65,39 @@ def _check_model(model: Any) -> None:
             "the model is already compiled (torch.compile); apply hyperac to the uncompiled module first, "
             "e.g. hyperac.apply(model._orig_mod), then compile."
         )
-    enabled = _hf.recompute_already_enabled(model)
+    modules = list(model.named_modules())
+    enabled = _hf.recompute_already_enabled(modules)
     if enabled is not None:
         raise UnsupportedModelError(
             f"HF activation checkpointing is already on ({enabled}.gradient_checkpointing=True); call "
             "model.activation_checkpointing_disable() (or gradient_checkpointing_disable()) first."
         )
+    return modules
 
 
 def _regions_by_layer(
-    model: nn.Module, layers: list[Layer], modes: list[str], adapter: Adapter | None, config: Config, notes: list[str]
+    modules: dict[str, nn.Module], layers: list[Layer], modes: list[str], adapter: Adapter | None,
+    config: Config, kv_sharing: bool, notes: list[str],
 ) -> dict[str, tuple[tuple, tuple]]:
-    """Per selected layer fqn: (recomputed (fqn, module) pairs, excluded pairs)."""
-    selected = [layer for layer, mode in zip(layers, modes) if mode != "off"]
+    """Per recomputed layer fqn: (recomputed (fqn, module) pairs, excluded pairs)."""
+    selected = [layer for layer, mode in zip(layers, modes) if mode in RECOMPUTE_MODES]
     if adapter is not None:
         if config.compile and adapter.declares_exclusions:
             raise ConfigError(
                 "Config.compile=True cannot be combined with adapter exclusions (they need eager replay); "
                 "use compile=False or an adapter without exclude_patterns/exclude_predicate."
             )
-        modules = dict(model.named_modules())
         regions = resolve_regions(adapter, modules, [layer.fqn for layer in selected])
+        empty = [fqn for fqn, r in regions.items() if not r.roots]
+        if empty:
+            message = (
+                f"Adapter.region_patterns matched nothing in {len(empty)} selected layer(s) (e.g. {empty[0]}); "
+                "they run without recompute."
+            )
+            warnings.warn(message, HyperACWarning, stacklevel=3)
+            notes.append(message)
         return {fqn: (r.roots, r.excluded) for fqn, r in regions.items()}
-    if selected and _hf.has_kv_sharing(model):
+    if selected and kv_sharing:
         message = (
             "the model shares keys and values across layers (num_kv_shared_layers > 0): replaying attention "
             "would publish them twice, so hyperac recomputes each selected layer's MLP and norms and leaves "
@@ -103,6 +118,36 @@ def _check_wrapped(layers: list[Layer], modes: list[str]) -> None:
             )
 
 
+def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[str]) -> list[bool]:
+    """Which layers swap. Only an ``off`` layer never does; the last swapping layer keeps its tensors
+    (its backward comes first). Swap is dropped, with a warning, where it cannot work."""
+    wanted = [mode == "swap" or (config.swap_inputs and mode in RECOMPUTE_MODES)
+              or (config.swap_selective_outputs and mode == "selective") for mode in modes]
+    if not any(wanted):
+        return wanted
+    reason = None
+    if config.compile:
+        reason = "swap is not supported with compile=True (torch.compile cannot trace the copies)"
+    elif not backend.can_swap:
+        reason = f"swap has no effect on the {backend.name!r} backend (activations already live in host memory)"
+    if reason is not None:
+        message = f"{reason}; tensors stay on the device and 'swap' layers behave as 'off'."
+        warn_once(message)
+        notes.append(message)
+        return [False] * len(modes)
+    last = max(i for i, flag in enumerate(wanted) if flag)
+    return [flag and i != last for i, flag in enumerate(wanted)]
+
+
+def _host_budget(config: Config) -> int:
+    if config.host_budget_bytes is not None:
+        return config.host_budget_bytes
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
 def apply(
     model: nn.Module,
     config: Config | None = None,
@@ -112,10 +157,14 @@ def apply(
     layers: Any = _UNSET,
     compile: bool = _UNSET,
     allow_cache_entry_mutation: bool = _UNSET,
+    swap_inputs: bool = _UNSET,
+    swap_selective_outputs: bool = _UNSET,
+    min_swap_bytes: int = _UNSET,
+    host_budget_bytes: int | None = _UNSET,
     adapter: Any = _UNSET,
 ) -> Plan:
-    """Make ``model`` keep fewer activations for backward by recomputing them. Modifies ``model``
-    in place; gradients are unchanged.
+    """Make ``model`` keep fewer activations on the device, by recomputing them in backward or by
+    holding them in host memory. Modifies ``model`` in place; gradients are unchanged.
 
     Keyword options are the fields of :class:`hyperac.Config` (documented there); pass either
     ``config=`` or keywords. The change is atomic: if anything fails, the model is left exactly as
@@ -135,34 +184,44 @@ def apply(
     config = _resolve_config(
         config,
         dict(mode=mode, backend=backend, layers=layers, compile=compile,
-             allow_cache_entry_mutation=allow_cache_entry_mutation, adapter=adapter),
+             allow_cache_entry_mutation=allow_cache_entry_mutation, swap_inputs=swap_inputs,
+             swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
+             host_budget_bytes=host_budget_bytes, adapter=adapter),
     )
-    _check_model(model)
+    named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
-    found = discover_layers(model, config.layer_spec.containers)
+    found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
     modes = assign_modes(found, config)
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
+    configs = _hf.configs(named_modules)
     notes: list[str] = []
-    regions = _regions_by_layer(model, found, modes, adapter_spec, config, notes)
+    regions = _regions_by_layer(
+        dict(named_modules), found, modes, adapter_spec, config, _hf.has_kv_sharing(configs), notes
+    )
+    swaps = _swap_flags(config, chosen_backend, modes, notes)
     plan = Plan(
         backend=chosen_backend.name,
         adapter=adapter_name,
         layers=tuple(
             LayerPlan(layer.index, layer.fqn, mode,
                       tuple(f for f, _ in regions.get(layer.fqn, ((), ()))[0]),
-                      tuple(f for f, _ in regions.get(layer.fqn, ((), ()))[1]))
-            for layer, mode in zip(found, modes)
+                      tuple(f for f, _ in regions.get(layer.fqn, ((), ()))[1]), swap)
+            for layer, mode, swap in zip(found, modes, swaps)
         ),
         notes=tuple(notes),
     )
-    ops = resolve_op_sets(chosen_backend)
+    ops = resolve_op_sets(chosen_backend) if "selective" in modes else None
+    manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if any(swaps) else None
     undo: list[Callable[[], None]] = []
     try:
-        _hf.disable_use_cache(model, undo)
-        _install(found, modes, regions, ops, config, undo)
-        model.__dict__[_STATE] = _AppliedState(plan, undo)
+        _hf.disable_use_cache(configs, undo)
+        _install(found, modes, swaps, regions, ops, config, manager, undo)
+        model.__dict__[_STATE] = _AppliedState(plan, undo, manager)
         undo.append(lambda: model.__dict__.pop(_STATE, None))
+        if manager is not None:
+            finalizer = weakref.finalize(model, manager.release)
+            undo.append(finalizer)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:
@@ -174,7 +233,8 @@ def apply(
 
 
 def _install(
-    found: list[Layer], modes: list[str], regions: dict, ops: Any, config: Config, undo: list[Callable[[], None]]
+    found: list[Layer], modes: list[str], swaps: list[bool], regions: dict, ops: OpSets | None, config: Config,
+    manager: SwapManager | None, undo: list[Callable[[], None]],
 ) -> None:
     installed: set[int] = set()
 
@@ -182,20 +242,24 @@ def _install(
         installed.add(id(module))
         undo.append(lambda: restore_forward(module, original))
 
-    for layer, mode in zip(found, modes):
-        if mode == "off":
+    for layer, mode, swap in zip(found, modes, swaps):
+        if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
+            continue
+        layer_swap = LayerSwap(manager, offload=True) if swap else None
+        if mode == "swap":
+            track(layer.module, install_swap(layer.module, layer_swap))
             continue
         roots, excluded = regions[layer.fqn]
         context_fn = build_context_fn(
-            mode, ops, compile=config.compile,
-            allow_cache_entry_mutation=config.allow_cache_entry_mutation, has_exclusions=bool(excluded),
+            mode, ops, compile=config.compile, allow_cache_entry_mutation=config.allow_cache_entry_mutation,
+            has_exclusions=bool(excluded), swap_outputs=swap and config.swap_selective_outputs,
         )
         for _, module in excluded:
             if id(module) not in installed:
                 track(module, install_exclusion(module))
         for _, module in roots:
             if id(module) not in installed:
-                track(module, install_recompute(module, context_fn))
+                track(module, install_recompute(module, context_fn, layer_swap))
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
@@ -204,9 +268,15 @@ def applied_plan(model: nn.Module) -> Plan | None:
     return None if state is None else state.plan
 
 
+def swap_stats(model: nn.Module) -> SwapStats | None:
+    """What swap moved for ``model`` since ``apply`` (``None`` if nothing of it swaps)."""
+    state = model.__dict__.get(_STATE)
+    return None if state is None or state.swap is None else state.swap.stats
+
+
 def remove(model: nn.Module) -> None:
-    """Undo :func:`apply`: restore every forward, ``use_cache`` and all other state. Modifies
-    ``model`` in place.
+    """Undo :func:`apply`: restore every forward, ``use_cache`` and all other state, and free the
+    swap buffers. Modifies ``model`` in place.
 
     Raises:
         ConfigError: hyperac is not applied to ``model``.

@@ -58,7 +58,8 @@ def demo(args: argparse.Namespace) -> int:
     reference = _step(base, ids)
     rows = []
     for position, mode in enumerate(MODES, start=1):
-        print(f"[{position}/{len(MODES)}] {mode}: measuring and training {args.steps} steps", file=sys.stderr)
+        print(f"[{position}/{len(MODES)}] {mode}: measuring, then {args.steps} timed steps",
+              file=sys.stderr, flush=True)
         model = copy.deepcopy(base)
         api.apply(model, mode=mode, backend="cpu")
         torch.manual_seed(1)
@@ -72,7 +73,8 @@ def demo(args: argparse.Namespace) -> int:
         api.remove(model)
         rows.append((mode, activation_bytes, flops, statistics.median(times), matches))
     off_flops = rows[0][2]
-    print(f"\nhyperac demo: tiny Llama, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}")
+    print(f"\nhyperac demo: tiny Llama, {args.layers} layers, hidden {args.hidden}, "
+          f"batch {args.batch} x seq {args.seq}")
     print(f"{'mode':<10} {'activations MiB':>16} {'recompute FLOPs':>16} {'step ms':>9}  loss+grads == off")
     for mode, activation_bytes, flops, seconds, matches in rows:
         overhead = 100.0 * (flops - off_flops) / off_flops

@@ -11,7 +11,8 @@ from .errors import ConfigError
 
 __all__ = ["MODES", "Config", "LayerRule", "LayerSpec"]
 
-MODES = ("off", "full", "selective")
+MODES = ("off", "full", "selective", "swap")
+RECOMPUTE_MODES = ("full", "selective")
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
 
 
@@ -43,6 +44,14 @@ def _check_bool(field: str, value: Any) -> None:
         raise ConfigError(
             f"Config.{field} must be a bool (True or False), got {value!r} of type {type(value).__name__}."
         )
+
+
+def _check_byte_count(field: str, value: Any, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        allowed = "a byte count >= 0" + (" or None" if allow_none else "")
+        raise ConfigError(f"Config.{field} must be {allowed}, got {value!r}; e.g. {field}=1 << 20 (1 MiB).")
 
 
 def _parse_mode(where: str, value: Any) -> str:
@@ -113,6 +122,12 @@ def parse_layers(value: Any) -> LayerSpec:
                 f"Config.layers mixes layer indices {index_keys!r} with container paths; use flat indices "
                 "only, or container paths only (each mapped to a mode or to its own index mapping)."
             )
+        for path in value:
+            if not isinstance(path, str) or not path:
+                raise ConfigError(
+                    f"Config.layers key {path!r} is neither a layer index or range (3, '0-3', '4-') nor a "
+                    "container path like 'model.layers'."
+                )
         rules = {}
         for path, sub in value.items():
             where = f"Config.layers[{path!r}]"
@@ -136,9 +151,11 @@ class Config:
     """How :func:`hyperac.apply` changes a model. Every field is validated on construction."""
 
     mode: str = "full"
-    """Default mode of each layer: ``"off"`` keeps every activation, ``"full"`` keeps only the
-    layer input and recomputes the layer in backward, ``"selective"`` keeps the outputs of
-    expensive ops (every other matmul, attention, collectives) and recomputes the rest."""
+    """Default mode of each layer: ``"off"`` keeps every activation (``False``, YAML's reading of a
+    bare ``off``, means the same), ``"full"`` keeps only the layer input and recomputes the layer in
+    backward, ``"selective"`` keeps the outputs of expensive ops (every other matmul, attention,
+    collectives) and recomputes the rest, ``"swap"`` recomputes nothing but keeps the tensors the
+    layer saves for backward (those of at least ``min_swap_bytes``) in host memory."""
 
     backend: Any = "auto"
     """``"auto"`` (NPU, then CUDA, then CPU), a registered backend name, or a Backend instance."""
@@ -157,19 +174,39 @@ class Config:
     """Selective mode: allow in-place changes to a saved op output (skips PyTorch's version check);
     only for deterministic in-place rewrites."""
 
+    swap_inputs: bool = False
+    """Layers that recompute keep their inputs in host memory between forward and backward (copies
+    overlap compute; the model's last swapping layer keeps them, its backward comes first)."""
+
+    swap_selective_outputs: bool = False
+    """Selective layers also keep the op outputs their policy saves in host memory (moved out after
+    the layer's forward, back before its replay)."""
+
+    min_swap_bytes: int = 1 << 20
+    """Tensors whose storage is smaller than this stay on the device (copies of tiny tensors cost
+    more than they free)."""
+
+    host_budget_bytes: int | None = None
+    """Most host memory the swap buffers may take (``None``: half of the host's physical memory).
+    When it is spent, further tensors stay on the device, with one warning."""
+
     adapter: Any = None
     """Recompute regions inside layers. ``None``: the adapter registered for the model's
     ``model_type`` or architecture, if any. An :class:`hyperac.Adapter`, a registered name, or
     ``"none"`` to recompute whole layers even when an adapter is registered."""
 
     def __post_init__(self) -> None:
+        if self.mode is False:  # YAML reads a bare `off` as False
+            object.__setattr__(self, "mode", "off")
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ConfigError(
                 f"Config.mode must be one of {', '.join(repr(m) for m in MODES)}, got {self.mode!r}; "
                 "e.g. mode='selective'."
             )
-        _check_bool("compile", self.compile)
-        _check_bool("allow_cache_entry_mutation", self.allow_cache_entry_mutation)
+        for field in ("compile", "allow_cache_entry_mutation", "swap_inputs", "swap_selective_outputs"):
+            _check_bool(field, getattr(self, field))
+        _check_byte_count("min_swap_bytes", self.min_swap_bytes, allow_none=False)
+        _check_byte_count("host_budget_bytes", self.host_budget_bytes, allow_none=True)
         from .adapters import Adapter
         from .backends import Backend
 
@@ -184,6 +221,20 @@ class Config:
                 f"got {self.adapter!r}."
             )
         object.__setattr__(self, "_layer_spec", parse_layers(self.layers))
+        self._check_swap_needs()
+
+    def _check_swap_needs(self) -> None:
+        modes = {self.mode} | {rule.mode for rules in self.layer_spec.rules.values() for rule in rules}
+        if self.swap_inputs and not modes & set(RECOMPUTE_MODES):
+            raise ConfigError(
+                f"Config.swap_inputs=True needs layers that recompute, but every layer's mode is in {sorted(modes)}; "
+                "to keep a layer's saved tensors in host memory without recomputing it, use mode='swap'."
+            )
+        if self.swap_selective_outputs and "selective" not in modes:
+            raise ConfigError(
+                f"Config.swap_selective_outputs=True needs selective layers, but the modes are {sorted(modes)}; "
+                "use mode='selective' (or name selective layers in Config.layers)."
+            )
 
     @property
     def layer_spec(self) -> LayerSpec:

@@ -57,9 +57,9 @@ def _unwrap(module: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     return module, None
 
 
-def _declared_layer_names(model: nn.Module) -> set[str]:
+def _declared_layer_names(modules: list[nn.Module]) -> set[str]:
     names: set[str] = set()
-    for module in model.modules():
+    for module in modules:
         declared = getattr(type(module), "_no_split_modules", None)
         if declared:
             names.update(n for n in declared if isinstance(n, str))
@@ -74,10 +74,10 @@ def _hf_layer_base() -> type | None:
 class _LayerTest:
     """Decides whether a module is a layer, from what the model declares."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.names = _declared_layer_names(model)
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.names = _declared_layer_names(modules)
         self.base = _hf_layer_base()
-        self.declared = any(self.is_declared(m) for m in model.modules())
+        self.declared = any(self.is_declared(m) for m in modules)
 
     def is_declared(self, module: nn.Module) -> bool:
         if self.base is not None and isinstance(module, self.base):
@@ -144,8 +144,12 @@ def _named_containers(model: nn.Module, paths: tuple[str, ...]) -> list[tuple[st
     return containers
 
 
-def discover_layers(model: nn.Module, container_paths: tuple[str, ...] | None = None) -> list[Layer]:
+def discover_layers(
+    model: nn.Module, container_paths: tuple[str, ...] | None = None, modules: list[nn.Module] | None = None
+) -> list[Layer]:
     """Return the model's layers in registration order, each block once.
+
+    ``modules`` (``list(model.modules())``) saves a walk over the model when the caller has it.
 
     Raises:
         UnsupportedModelError: nothing was found and no container path was given.
@@ -153,7 +157,8 @@ def discover_layers(model: nn.Module, container_paths: tuple[str, ...] | None = 
     """
     if container_paths is not None:
         return _layers_of(_named_containers(model, container_paths))
-    containers = list(_walk(model, "", _LayerTest(model), {id(model)}))
+    test = _LayerTest(list(model.modules()) if modules is None else modules)
+    containers = list(_walk(model, "", test, {id(model)}))
     if not containers:
         raise UnsupportedModelError(
             f"found no repeated layers in {type(model).__name__}: it declares no layer classes "

@@ -27,6 +27,9 @@ class LayerPlan:
     """Dotted names of the modules replayed in backward: the layer itself, or regions inside it."""
     excluded: tuple[str, ...] = ()
     """Modules inside those regions that run once and are not replayed."""
+    swap: bool = False
+    """Whether the tensors this layer keeps for backward live in host memory in between (its
+    inputs when it recomputes, everything it saves in ``swap`` mode)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,8 +50,11 @@ class Plan:
     def summary(self) -> str:
         """One line: backend, adapter and how many layers got each mode."""
         counts = ", ".join(
-            f"{n} {mode}" for mode in ("full", "selective", "off") if (n := self.count(mode))
+            f"{n} {mode}" for mode in ("full", "selective", "swap", "off") if (n := self.count(mode))
         )
+        swapping = sum(1 for layer in self.layers if layer.swap)
+        if swapping:
+            counts += f"; {swapping} swap to host"
         return f"hyperac: backend {self.backend}, adapter {self.adapter}, {len(self.layers)} layers: {counts}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -61,9 +67,12 @@ class Plan:
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.fqn) for layer in self.layers])
-        lines = [self.summary(), f"{'#':>4}  {'layer':<{width}}  {'mode':<9}  recomputed"]
+        lines = [self.summary(), f"{'#':>4}  {'layer':<{width}}  {'mode':<9}  {'swap':<4}  recomputed"]
         for layer in self.layers:
-            lines.append(f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.mode:<9}  {_describe_targets(layer)}")
+            swap = "yes" if layer.swap else "-"
+            lines.append(
+                f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.mode:<9}  {swap:<4}  {_describe_targets(layer)}"
+            )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -87,7 +96,7 @@ def _apply_rules(modes: list[str], rules: Sequence[LayerRule], where: str, names
             bad = rule.first if rule.first > len(modes) - 1 else last
             raise ConfigError(
                 f"{where} names layer {bad}, but {names} has {len(modes)} layers (0-{len(modes) - 1}); "
-                "use an index in that range or an open range like '4-'."
+                f"use indices in that range (an open range like '{min(rule.first, len(modes) - 1)}-' runs to the end)."
             )
         modes[rule.first:last + 1] = [rule.mode] * (last + 1 - rule.first)
 

@@ -15,8 +15,11 @@ A region may exclude sub-modules from its replay (an attention that publishes st
 with collectives). In forward the excluded module runs once, with real saved tensors (an inner
 ``saved_tensors_hooks`` pair that keeps them, overriding the region's recompute hooks) and with
 its ops invisible to the selective replay accounting (``policy.bypass_replay``). Its output is
-queued on the region invocation's frame. In the replay the module does not run: the queued output
-is returned, detached and with its ``requires_grad`` flag, so the replay saves the same tensors.
+queued on the region invocation's frame, with the RNG states as the module left them. In the replay
+the module does not run: the queued output is returned, detached and with its ``requires_grad``
+flag, so the replay saves the same tensors, and the RNG states are set to the queued ones, so a
+dropout after the excluded module draws the same mask as in forward even when the excluded module
+itself drew random numbers (the replay runs inside the recompute's ``fork_rng``).
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_recompute
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .policy import OpSets, bypass_replay, compile_context_fn, selective_contexts
+from .swap import LayerSwap, current_group
 
-__all__ = ["install_exclusion", "install_recompute", "restore_forward"]
+__all__ = ["build_context_fn", "install_exclusion", "install_recompute", "install_swap", "restore_forward"]
 
 # Keyword arguments that carry a KV cache; a replay must not see a cache its forward appended to.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -81,12 +85,15 @@ def _frame_scope(frame: _RegionFrame, replaying: bool):
         _current_frame.reset(token)
 
 
-def _context_fn(mode: str, ops: OpSets, allow_cache_entry_mutation: bool, has_exclusions: bool):
+def _context_fn(
+    mode: str, ops: OpSets, allow_cache_entry_mutation: bool, has_exclusions: bool, swap_outputs: bool
+):
     """A ``context_fn`` for ``torch.utils.checkpoint``: fresh contexts per region invocation."""
 
     def make() -> tuple[Any, Any]:
         if mode == "selective":
-            forward_ctx, replay_ctx = selective_contexts(ops, allow_cache_entry_mutation)
+            group = current_group() if swap_outputs else None
+            forward_ctx, replay_ctx = selective_contexts(ops, allow_cache_entry_mutation, group)
         else:
             forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         if not has_exclusions:
@@ -113,34 +120,69 @@ class _Both:
 
 
 def build_context_fn(
-    mode: str, ops: OpSets, *, compile: bool, allow_cache_entry_mutation: bool, has_exclusions: bool
+    mode: str,
+    ops: OpSets | None,
+    *,
+    compile: bool,
+    allow_cache_entry_mutation: bool,
+    has_exclusions: bool,
+    swap_outputs: bool = False,
 ) -> Callable[[], tuple[Any, Any]] | None:
     """The ``context_fn`` a region of ``mode`` uses, or ``None`` for PyTorch's default."""
     if compile:
         return compile_context_fn(ops) if mode == "selective" else None
     if mode == "full" and not has_exclusions:
         return None
-    return _context_fn(mode, ops, allow_cache_entry_mutation, has_exclusions)
+    return _context_fn(mode, ops, allow_cache_entry_mutation, has_exclusions, swap_outputs)
 
 
-def install_recompute(module: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None) -> Any:
+def _training(module: nn.Module) -> bool:
+    return module.training and torch.is_grad_enabled()
+
+
+def install_recompute(
+    module: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None, swap: LayerSwap | None = None
+) -> Any:
     """Make ``module`` recompute its forward in backward; return what :func:`restore_forward` needs.
 
     Side effect: sets ``module.forward``. Recompute runs only while the module is in training mode
     with grad enabled; then KV-cache arguments are dropped (``use_cache=False``, cache ``None``).
+    With ``swap``, the inputs the recompute keeps (and, in selective mode, the kept op outputs the
+    context asks for) live in host memory between forward and backward.
     """
     original = module.__dict__.get("forward", _ABSENT)
     extra = {} if context_fn is None else {"context_fn": context_fn}
 
     def recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = _original_call(self, original)
-        if not (self.training and torch.is_grad_enabled()):
+        if not _training(self):
             return call(*args, **kwargs)
-        return torch_recompute.checkpoint(
-            functools.partial(call, **_without_cache(kwargs)), *args, use_reentrant=False, **extra
+        region = functools.partial(call, **_without_cache(kwargs))
+        if swap is None:
+            return torch_recompute.checkpoint(region, *args, use_reentrant=False, **extra)
+        return swap.manager.run_layer(
+            swap.offload, functools.partial(torch_recompute.checkpoint, region, use_reentrant=False, **extra),
+            args, kwargs,
         )
 
     module.forward = types.MethodType(recomputed_forward, module)
+    return original
+
+
+def install_swap(module: nn.Module, swap: LayerSwap) -> Any:
+    """Keep the tensors ``module`` saves for backward in host memory (no recompute).
+
+    Side effect: sets ``module.forward``; returns what :func:`restore_forward` needs.
+    """
+    original = module.__dict__.get("forward", _ABSENT)
+
+    def swapped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = _original_call(self, original)
+        if not _training(self):
+            return call(*args, **kwargs)
+        return swap.manager.run_layer(swap.offload, call, args, kwargs)
+
+    module.forward = types.MethodType(swapped_forward, module)
     return original
 
 
@@ -150,6 +192,22 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
 
 def _replayed(value: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
+
+
+def _rng_states(*values: Any) -> tuple[torch.Tensor, list[tuple[torch.device, torch.Tensor]]]:
+    """The CPU RNG state and that of every accelerator holding a tensor in ``values``."""
+    devices: list[torch.device] = []
+    for leaf in tree_leaves(values):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta") and leaf.device not in devices:
+            devices.append(leaf.device)
+    return torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices]
+
+
+def _set_rng_states(states: tuple[torch.Tensor, list[tuple[torch.device, torch.Tensor]]]) -> None:
+    cpu_state, device_states = states
+    torch.set_rng_state(cpu_state)
+    for device, state in device_states:
+        torch.get_device_module(device.type).set_rng_state(state, device)
 
 
 def install_exclusion(module: nn.Module) -> Any:
@@ -166,14 +224,16 @@ def install_exclusion(module: nn.Module) -> Any:
             return call(*args, **kwargs)
         queue = frame.outputs[id(self)]
         if frame.replaying:
-            return _replayed(queue.popleft())
+            output, rng_states = queue.popleft()
+            _set_rng_states(rng_states)
+            return _replayed(output)
         token = bypass_replay.set(True)
         try:
             with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                 output = call(*args, **kwargs)
         finally:
             bypass_replay.reset(token)
-        queue.append(output)
+        queue.append((output, _rng_states(args, kwargs, output)))
         return output
 
     module.forward = types.MethodType(excluded_forward, module)

@@ -102,6 +102,15 @@ class Backend:
     """The torch device type, so that ``torch.device(backend.name)`` works."""
     auto_priority: ClassVar[int | None] = None
     """Order in which ``backend="auto"`` probes backends (highest first); ``None`` never picks it."""
+    can_swap: ClassVar[bool] = False
+    """Whether moving saved tensors to host memory frees anything (False where they live there)."""
+    can_time_waits: ClassVar[bool] = False
+    """Whether :meth:`wait` reports how long it waited."""
+
+    @property
+    def device_type(self) -> str:
+        """The ``tensor.device.type`` of tensors that live on this backend's device."""
+        return self.name
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -135,9 +144,17 @@ class Backend:
         """An event that can be recorded on a stream and waited on."""
         return NullEvent()
 
-    def wait(self, event: Any) -> None:
-        """Make the current stream wait for ``event`` (a device-side wait, not a host sync)."""
+    def wait(self, event: Any) -> float | None:
+        """Make the current stream wait for ``event`` (a device-side wait, not a host sync).
+
+        Returns the seconds waited where the backend can tell (``can_time_waits``), else ``None``.
+        """
         self.current_stream().wait_event(event)
+        return None
+
+    def copy_(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy ``source`` into ``destination`` on the current stream, without blocking the host."""
+        destination.copy_(source, non_blocking=True)
 
     def supports_pinned_memory(self) -> bool:
         return False
@@ -194,6 +211,8 @@ class DeviceModuleBackend(Backend):
 
     def new_event(self) -> Any:
         return self._module().Event()
+
+    can_swap: ClassVar[bool] = True
 
     def supports_pinned_memory(self) -> bool:
         return True

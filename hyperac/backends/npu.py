@@ -1,8 +1,10 @@
 """The Ascend NPU backend, through ``torch_npu``.
 
 ``torch_npu`` is imported only when this backend is probed or used, never when hyperac is
-imported. It installs the ``torch.npu`` device module (streams, events, memory statistics, the
-same surface as ``torch.cuda``) and registers its kernels under ``torch.ops.npu``.
+imported; if that import fails (the wheel without Ascend CANN), the backend is unavailable and
+says why, so ``backend="auto"`` moves on. ``torch_npu`` installs the ``torch.npu`` device module
+(streams, events, memory statistics: the same surface as ``torch.cuda``) and registers its kernels
+under ``torch.ops.npu``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ class NpuBackend(DeviceModuleBackend):
     def unavailable_reason(cls) -> str | None:
         if importlib.util.find_spec("torch_npu") is None:
             return "the torch_npu package is not installed; install torch-npu matching your torch version"
-        importlib.import_module("torch_npu")
+        try:
+            importlib.import_module("torch_npu")
+        except Exception as error:  # without Ascend CANN: "libhccl.so: cannot open shared object file"
+            return f"the torch_npu package is installed but failed to import ({type(error).__name__}: {error})"
         module = getattr(torch, "npu", None)
         if module is None or not module.is_available():
             return "torch_npu is installed but no NPU device is visible (check ASCEND_RT_VISIBLE_DEVICES)"

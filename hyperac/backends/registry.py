@@ -34,7 +34,7 @@ def register_backend(cls: B) -> B:
 
 def available_backends() -> list[str]:
     """Names of the registered backends usable on this machine, best first."""
-    ranked = sorted(_BACKENDS.values(), key=lambda c: -(c.auto_priority if c.auto_priority is not None else -1))
+    ranked = sorted(_BACKENDS.values(), key=lambda c: -(-1 if c.auto_priority is None else c.auto_priority))
     return [c.name for c in ranked if c.is_available()]
 
 

@@ -1,0 +1,417 @@
+"""Swap: keep tensors saved for backward in host memory between forward and backward.
+
+A :class:`SwapManager` belongs to one applied model (it lives in the model's hyperac state and
+holds no reference to the model or its layers). Each layer invocation that swaps gets a
+:class:`SwapGroup`: tensors saved for backward inside it go through the group's
+``saved_tensors_hooks``; tensors kept by a selective policy are registered by the policy's
+recording mode.
+
+Copies move whole storages, once per storage: views, slices, transposes and expanded (stride-0)
+tensors of one storage are rebuilt on the reloaded storage with their own offset, shape and
+strides, so aliasing is preserved and nothing is copied twice.
+
+NOTE [Swap stream ordering]
+Forward, layer i ends (``SwapGroup.close``):
+  1. record event C on the compute stream; the copy stream waits on C;
+  2. on the copy stream: device -> host copy of each storage into a pooled (pinned) buffer;
+     record the group's offload event O.
+Forward, layer i+1 ends: the compute stream waits on O_i (a device-side wait), then group i drops
+its device references. The device memory is free once no one else holds it; the allocator may
+reuse it only for work ordered after O_i, so the copy always reads valid data. The last swapping
+layer of the model is not offloaded: its backward comes first.
+Backward, first unpack in group i (``SwapGroup.materialize``):
+  1. if group i is not loaded yet: allocate device storage on the compute stream, record event C,
+     the copy stream waits on C, host -> device copy, record load event L_i;
+  2. start the same load for group i-1 (prefetch: it overlaps layer i's backward);
+  3. the compute stream waits on L_i, then the saved tensors are rebuilt on the new storage.
+Host buffers go back to the pool once their host -> device copy is issued: every copy runs on the
+one copy stream, so a later device -> host copy into the same buffer is ordered after it.
+
+NOTE [Swapping selective outputs]
+PyTorch's selective cache keeps op outputs outside ``saved_tensors_hooks``, so those tensors are
+swapped in place: the storage is copied out and resized to zero bytes; before the replay of the
+region it is re-grown and the data copied back. The tensor objects the cache holds stay valid.
+A storage shared with the layer's inputs or outputs is never resized (someone else still reads
+it); such tensors stay on the device.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes as _quiet
+from torch.utils._pytree import tree_flatten
+
+from .backends import Backend
+from .errors import warn_once
+
+__all__ = ["LayerSwap", "SwapManager", "SwapStats", "current_group", "live_group_count"]
+
+_LIVE_GROUPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_group_count() -> int:
+    """How many swap groups exist in this process (diagnostics and leak tests)."""
+    return len(_LIVE_GROUPS)
+
+
+@dataclasses.dataclass
+class SwapStats:
+    """Swap activity of one applied model since ``apply`` (or the last :meth:`reset`)."""
+
+    offloaded_bytes: int = 0
+    reloaded_bytes: int = 0
+    offloaded_tensors: int = 0
+    skipped: Counter = dataclasses.field(default_factory=Counter)
+    """Tensors kept on the device, by reason: ``small``, ``parameter``, ``not_on_device``,
+    ``subclass``, ``last_layer``, ``budget``, ``modified``, ``shared``."""
+    waits: int = 0
+    wait_seconds: float | None = None
+    """Time the compute stream waited on copies, where the backend can time it."""
+
+    def reset(self) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, field.default_factory() if field.default_factory is not dataclasses.MISSING
+                    else field.default)
+
+    def __str__(self) -> str:
+        skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.skipped.items())) or "none"
+        waited = "n/a" if self.wait_seconds is None else f"{self.wait_seconds * 1e3:.1f} ms"
+        return (
+            f"swap: offloaded {self.offloaded_tensors} tensors / {self.offloaded_bytes / 2**20:.2f} MiB, "
+            f"reloaded {self.reloaded_bytes / 2**20:.2f} MiB, kept on device: {skipped}, "
+            f"{self.waits} waits ({waited})"
+        )
+
+
+class HostPool:
+    """Reusable host buffers (pinned where the backend supports it) under a byte budget."""
+
+    def __init__(self, backend: Backend, budget_bytes: int) -> None:
+        self.backend = backend
+        self.budget_bytes = budget_bytes
+        self.allocated_bytes = 0
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _bucket(nbytes: int) -> int:
+        return 1 << max(nbytes - 1, 1).bit_length()
+
+    def acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A host byte buffer of at least ``nbytes``, or ``None`` when the budget is spent."""
+        size = self._bucket(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            if self.allocated_bytes + size > self.budget_bytes:
+                return None
+            self.allocated_bytes += size
+        return self.backend.host_empty(torch.empty(size, dtype=torch.uint8, device="meta"), pinned=True)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    def clear(self) -> None:
+        """Drop every buffer (those still in use are dropped by their groups)."""
+        with self._lock:
+            self._free.clear()
+            self.allocated_bytes = 0
+
+
+def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class _Entry:
+    """One storage of a group: its device bytes, host copy and reloaded bytes."""
+
+    __slots__ = ("nbytes", "device_bytes", "host", "tensors", "in_place", "pool", "__weakref__")
+
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, pool: HostPool, in_place: bool):
+        self.nbytes = storage.nbytes()
+        self.device_bytes: torch.Tensor | None = _flat_bytes(storage, device)
+        self.host: torch.Tensor | None = None
+        self.tensors: list[torch.Tensor] = []
+        self.in_place = in_place
+        self.pool = pool
+
+    def release_host(self) -> None:
+        if self.host is not None:
+            self.pool.release(self.host)
+            self.host = None
+
+    def __del__(self) -> None:
+        self.release_host()
+
+
+class _Saved:
+    """What autograd stores for a swapped tensor: its entry and how to rebuild it."""
+
+    __slots__ = ("group", "entry", "tensor", "version", "offset", "size", "stride", "dtype", "rebuilt")
+
+    def __init__(self, group: SwapGroup, entry: _Entry, tensor: torch.Tensor) -> None:
+        self.group, self.entry, self.tensor = group, entry, tensor
+        self.version = tensor._version
+        self.offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
+        self.dtype = tensor.dtype
+        self.rebuilt: torch.Tensor | None = None
+
+
+class SwapGroup:
+    """The tensors one layer invocation keeps in host memory (NOTE [Swap stream ordering])."""
+
+    def __init__(self, manager: SwapManager, previous: SwapGroup | None, offload: bool) -> None:
+        self.manager = manager
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.offload = offload
+        self.entries: dict[int, _Entry] = {}
+        self.saved: list[_Saved] = []
+        self.state = "forward"  # forward -> copying -> host -> loading -> loaded | kept
+        self.offload_event: Any = None
+        self.load_event: Any = None
+        _LIVE_GROUPS.add(self)
+
+    def _entry(self, storage: torch.UntypedStorage, device: torch.device, in_place: bool) -> _Entry:
+        key = storage._cdata
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _Entry(storage, device, self.manager.pool, in_place)
+        return entry
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        reason = self.manager.ineligible(tensor)
+        if reason is not None:
+            self.manager.stats.skipped[reason] += 1
+            return tensor
+        with _quiet():
+            entry = self._entry(tensor.untyped_storage(), tensor.device, in_place=False)
+        saved = _Saved(self, entry, tensor)
+        self.saved.append(saved)
+        return saved
+
+    def register_cached(self, tensor: torch.Tensor) -> None:
+        """Swap a tensor a selective policy keeps (NOTE [Swapping selective outputs])."""
+        reason = self.manager.ineligible(tensor)
+        if reason is not None:
+            self.manager.stats.skipped[reason] += 1
+            return
+        with _quiet():
+            self._entry(tensor.untyped_storage(), tensor.device, in_place=True).tensors.append(tensor)
+
+    def close(self, protected: set[int]) -> None:
+        """The layer's forward ended: start the device -> host copies (or keep everything)."""
+        stats, backend = self.manager.stats, self.manager.backend
+        if not self.offload:
+            stats.skipped["last_layer"] += len(self.saved) + sum(len(e.tensors) for e in self.entries.values())
+            self.state = "kept"
+            return
+        modified = {id(s.entry) for s in self.saved if s.tensor._version != s.version}
+        copying = []
+        for key, entry in list(self.entries.items()):
+            count = len(entry.tensors) + sum(1 for s in self.saved if s.entry is entry)
+            reason = "modified" if id(entry) in modified else "shared" if entry.in_place and key in protected else None
+            if reason is None:
+                entry.host = self.manager.pool.acquire(entry.nbytes)
+                if entry.host is None:
+                    reason = "budget"
+                    warn_once(
+                        f"swap host budget of {self.manager.pool.budget_bytes} bytes is spent; further tensors "
+                        "stay on the device. Raise host_budget_bytes to swap more."
+                    )
+            if reason is not None:
+                stats.skipped[reason] += count
+                del self.entries[key]
+                continue
+            copying.append(entry)
+            stats.offloaded_tensors += count
+            stats.offloaded_bytes += entry.nbytes
+        self.saved = [s for s in self.saved if s.entry.host is not None]
+        if not copying:
+            self.state = "kept"
+            return
+        manager = self.manager
+        ready = backend.new_event()
+        ready.record(backend.current_stream())
+        manager.copy_stream.wait_event(ready)
+        with backend.use_stream(manager.copy_stream):
+            for entry in copying:
+                backend.copy_(entry.host[: entry.nbytes], entry.device_bytes)
+            self.offload_event = backend.new_event()
+            self.offload_event.record(manager.copy_stream)
+        self.state = "copying"
+
+    def finish_offload(self) -> None:
+        """Wait for the device -> host copies, then free the device memory this group holds."""
+        if self.state != "copying":
+            return
+        self.manager.wait(self.offload_event)
+        for entry in self.entries.values():
+            if entry.in_place:
+                entry.device_bytes.untyped_storage().resize_(0)
+            entry.device_bytes = None
+        for saved in self.saved:
+            saved.tensor = None
+        self.state = "host"
+
+    def start_load(self) -> None:
+        """Issue the host -> device copies (on the copy stream, after a compute-stream event)."""
+        if self.state == "copying":
+            self.finish_offload()
+        if self.state != "host":
+            return
+        manager, backend = self.manager, self.manager.backend
+        device = backend.device()
+        for entry in self.entries.values():
+            if entry.in_place:
+                storage = entry.tensors[0].untyped_storage()
+                storage.resize_(entry.nbytes)
+                entry.device_bytes = _flat_bytes(storage, storage.device)
+            else:
+                entry.device_bytes = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+        ready = backend.new_event()
+        ready.record(backend.current_stream())
+        manager.copy_stream.wait_event(ready)
+        with backend.use_stream(manager.copy_stream):
+            for entry in self.entries.values():
+                backend.copy_(entry.device_bytes, entry.host[: entry.nbytes])
+                manager.stats.reloaded_bytes += entry.nbytes
+            self.load_event = backend.new_event()
+            self.load_event.record(manager.copy_stream)
+        for entry in self.entries.values():
+            entry.release_host()
+        self.state = "loading"
+
+    def ensure_loaded(self) -> None:
+        """Make every tensor of this group usable on the device; prefetch the previous group."""
+        with _quiet():
+            self._ensure_loaded()
+
+    def _ensure_loaded(self) -> None:
+        if self.state in ("forward", "copying", "kept", "loaded"):
+            return
+        self.start_load()
+        previous = self.previous() if self.previous is not None else None
+        if previous is not None:
+            previous.start_load()
+        self.manager.wait(self.load_event)
+        self.state = "loaded"
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        if saved.tensor is not None:
+            return saved.tensor
+        if saved.rebuilt is None:
+            with _quiet():
+                self.ensure_loaded()
+                storage = saved.entry.device_bytes.untyped_storage()
+                saved.rebuilt = torch.empty(0, dtype=saved.dtype, device=storage.device).set_(
+                    storage, saved.offset, saved.size, saved.stride
+                )
+        return saved.rebuilt
+
+
+_current_group: contextvars.ContextVar[SwapGroup | None] = contextvars.ContextVar("hyperac_swap_group", default=None)
+
+
+def current_group() -> SwapGroup | None:
+    """The swap group of the layer whose forward is running, if it swaps."""
+    return _current_group.get()
+
+
+def _storage_keys(values: Any) -> set[int]:
+    return {v.untyped_storage()._cdata for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSwap:
+    """How one layer swaps: through which manager, and whether it offloads at all."""
+
+    manager: SwapManager
+    offload: bool
+
+
+def _unpack(value: Any) -> Any:
+    if isinstance(value, _Saved):
+        return value.group.unpack(value)
+    return value
+
+
+class SwapManager:
+    """Swap state of one applied model: copy stream, host pool, statistics, the group chain.
+
+    Holds no reference to the model or its layers; :meth:`release` frees the host buffers (called
+    by ``hyperac.remove`` and by a ``weakref.finalize`` on the model).
+    """
+
+    def __init__(self, backend: Backend, min_swap_bytes: int, host_budget_bytes: int) -> None:
+        self.backend = backend
+        self.min_swap_bytes = min_swap_bytes
+        self.pool = HostPool(backend, host_budget_bytes)
+        self.stats = SwapStats(wait_seconds=0.0 if backend.can_time_waits else None)
+        self._copy_stream: Any = None
+        self._last: weakref.ref | None = None
+        self._pending: weakref.ref | None = None
+
+    @property
+    def copy_stream(self) -> Any:
+        if self._copy_stream is None:
+            self._copy_stream = self.backend.new_stream()
+        return self._copy_stream
+
+    def wait(self, event: Any) -> None:
+        waited = self.backend.wait(event)
+        self.stats.waits += 1
+        if waited is not None and self.stats.wait_seconds is not None:
+            self.stats.wait_seconds += waited
+
+    def ineligible(self, tensor: torch.Tensor) -> str | None:
+        """Why ``tensor`` must stay on the device, or ``None`` if it can be swapped."""
+        if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
+            return "subclass"
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or (
+            tensor.is_leaf and tensor.requires_grad
+        ):
+            return "parameter"
+        if tensor.device.type != self.backend.device_type:
+            return "not_on_device"
+        if tensor.untyped_storage().nbytes() < self.min_swap_bytes:
+            return "small"
+        return None
+
+    def run_layer(self, offload: bool, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run one layer invocation with its saved tensors swapped (NOTE [Swap stream ordering]).
+
+        ``offload=False`` (the model's last swapping layer) keeps them on the device.
+        """
+        previous = self._last() if self._last is not None else None
+        group = SwapGroup(self, previous, offload)
+        token = _current_group.set(group)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack):
+                output = call(*args, **kwargs)
+        finally:
+            _current_group.reset(token)
+        with _quiet():
+            protected = _storage_keys((args, kwargs, output)) if any(
+                e.in_place for e in group.entries.values()) else set()
+            group.close(protected)
+            pending = self._pending() if self._pending is not None else None
+            if pending is not None:
+                pending.finish_offload()
+        self._pending = weakref.ref(group) if group.state == "copying" else None
+        self._last = weakref.ref(group)
+        return output
+
+    def release(self) -> None:
+        """Free the host buffers; in-flight groups return theirs when autograd drops them."""
+        self.pool.clear()
