@@ -353,7 +353,7 @@ def test_plan_printing_and_dict(model):
     assert [entry["mode"] for entry in as_dict["layers"]] == PLAN_MODES
     assert as_dict["layers"][0] == {
         "index": 0, "fqn": "model.layers.0", "mode": "full",
-        "recomputed": ("model.layers.0",), "excluded": (),
+        "recomputed": ("model.layers.0",), "excluded": (), "swap": False,
     }
     assert as_dict["layers"][2]["recomputed"] == ()
     assert json.loads(json.dumps(as_dict))["layers"][3]["recomputed"] == ["model.layers.3"]
