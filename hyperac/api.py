@@ -119,8 +119,7 @@ def _check_wrapped(layers: list[Layer], modes: list[str]) -> None:
 
 
 def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[str]) -> list[bool]:
-    """Which layers swap. Only an ``off`` layer never does; the last swapping layer keeps its tensors
-    (its backward comes first). Swap is dropped, with a warning, where it cannot work."""
+    """Which layers take part in swap. Swap is dropped, with a warning, where it cannot work."""
     wanted = [mode == "swap" or (config.swap_inputs and mode in RECOMPUTE_MODES)
               or (config.swap_selective_outputs and mode == "selective") for mode in modes]
     if not any(wanted):
@@ -135,8 +134,7 @@ def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[
         warn_once(message)
         notes.append(message)
         return [False] * len(modes)
-    last = max(i for i, flag in enumerate(wanted) if flag)
-    return [flag and i != last for i, flag in enumerate(wanted)]
+    return wanted
 
 
 def _host_budget(config: Config) -> int:
@@ -200,14 +198,16 @@ def apply(
         dict(named_modules), found, modes, adapter_spec, config, _hf.has_kv_sharing(configs), notes
     )
     swaps = _swap_flags(config, chosen_backend, modes, notes)
+    # The last swapping layer keeps its tensors (its backward comes first) but stays in the chain.
+    last_swap = max((i for i, flag in enumerate(swaps) if flag), default=None)
     plan = Plan(
         backend=chosen_backend.name,
         adapter=adapter_name,
         layers=tuple(
             LayerPlan(layer.index, layer.fqn, mode,
                       tuple(f for f, _ in regions.get(layer.fqn, ((), ()))[0]),
-                      tuple(f for f, _ in regions.get(layer.fqn, ((), ()))[1]), swap)
-            for layer, mode, swap in zip(found, modes, swaps)
+                      tuple(f for f, _ in regions.get(layer.fqn, ((), ()))[1]), swap and i != last_swap)
+            for i, (layer, mode, swap) in enumerate(zip(found, modes, swaps))
         ),
         notes=tuple(notes),
     )
@@ -216,7 +216,7 @@ def apply(
     undo: list[Callable[[], None]] = []
     try:
         _hf.disable_use_cache(configs, undo)
-        _install(found, modes, swaps, regions, ops, config, manager, undo)
+        _install(found, modes, swaps, last_swap, regions, ops, config, manager, undo)
         model.__dict__[_STATE] = _AppliedState(plan, undo, manager)
         undo.append(lambda: model.__dict__.pop(_STATE, None))
         if manager is not None:
@@ -233,8 +233,8 @@ def apply(
 
 
 def _install(
-    found: list[Layer], modes: list[str], swaps: list[bool], regions: dict, ops: OpSets | None, config: Config,
-    manager: SwapManager | None, undo: list[Callable[[], None]],
+    found: list[Layer], modes: list[str], swaps: list[bool], last_swap: int | None, regions: dict,
+    ops: OpSets | None, config: Config, manager: SwapManager | None, undo: list[Callable[[], None]],
 ) -> None:
     installed: set[int] = set()
 
@@ -242,10 +242,10 @@ def _install(
         installed.add(id(module))
         undo.append(lambda: restore_forward(module, original))
 
-    for layer, mode, swap in zip(found, modes, swaps):
+    for index, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
             continue
-        layer_swap = LayerSwap(manager, offload=True) if swap else None
+        layer_swap = LayerSwap(manager, offload=index != last_swap) if swap else None
         if mode == "swap":
             track(layer.module, install_swap(layer.module, layer_swap))
             continue

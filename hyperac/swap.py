@@ -158,7 +158,7 @@ class _Entry:
 class _Saved:
     """What autograd stores for a swapped tensor: its entry and how to rebuild it."""
 
-    __slots__ = ("group", "entry", "tensor", "version", "offset", "size", "stride", "dtype", "rebuilt")
+    __slots__ = ("group", "entry", "tensor", "version", "offset", "size", "stride", "dtype", "rebuilt", "__weakref__")
 
     def __init__(self, group: SwapGroup, entry: _Entry, tensor: torch.Tensor) -> None:
         self.group, self.entry, self.tensor = group, entry, tensor
@@ -176,10 +176,12 @@ class SwapGroup:
         self.previous = weakref.ref(previous) if previous is not None else None
         self.offload = offload
         self.entries: dict[int, _Entry] = {}
-        self.saved: list[_Saved] = []
+        # Weak: each _Saved holds its group, and autograd holds the _Saved (no cycle to collect).
+        self.saved: list[weakref.ref] = []
         self.state = "forward"  # forward -> copying -> host -> loading -> loaded | kept
         self.offload_event: Any = None
         self.load_event: Any = None
+        self.backward_started = False
         _LIVE_GROUPS.add(self)
 
     def _entry(self, storage: torch.UntypedStorage, device: torch.device, in_place: bool) -> _Entry:
@@ -197,8 +199,11 @@ class SwapGroup:
         with _quiet():
             entry = self._entry(tensor.untyped_storage(), tensor.device, in_place=False)
         saved = _Saved(self, entry, tensor)
-        self.saved.append(saved)
+        self.saved.append(weakref.ref(saved))
         return saved
+
+    def _live_saved(self) -> list[_Saved]:
+        return [saved for ref in self.saved if (saved := ref()) is not None]
 
     def register_cached(self, tensor: torch.Tensor) -> None:
         """Swap a tensor a selective policy keeps (NOTE [Swapping selective outputs])."""
@@ -212,14 +217,15 @@ class SwapGroup:
     def close(self, protected: set[int]) -> None:
         """The layer's forward ended: start the device -> host copies (or keep everything)."""
         stats, backend = self.manager.stats, self.manager.backend
+        saved = self._live_saved()
         if not self.offload:
-            stats.skipped["last_layer"] += len(self.saved) + sum(len(e.tensors) for e in self.entries.values())
+            stats.skipped["last_layer"] += len(saved) + sum(len(e.tensors) for e in self.entries.values())
             self.state = "kept"
             return
-        modified = {id(s.entry) for s in self.saved if s.tensor._version != s.version}
+        modified = {id(s.entry) for s in saved if s.tensor._version != s.version}
         copying = []
         for key, entry in list(self.entries.items()):
-            count = len(entry.tensors) + sum(1 for s in self.saved if s.entry is entry)
+            count = len(entry.tensors) + sum(1 for s in saved if s.entry is entry)
             reason = "modified" if id(entry) in modified else "shared" if entry.in_place and key in protected else None
             if reason is None:
                 entry.host = self.manager.pool.acquire(entry.nbytes)
@@ -236,7 +242,7 @@ class SwapGroup:
             copying.append(entry)
             stats.offloaded_tensors += count
             stats.offloaded_bytes += entry.nbytes
-        self.saved = [s for s in self.saved if s.entry.host is not None]
+        self.saved = [weakref.ref(s) for s in saved if s.entry.host is not None]
         if not copying:
             self.state = "kept"
             return
@@ -260,7 +266,7 @@ class SwapGroup:
             if entry.in_place:
                 entry.device_bytes.untyped_storage().resize_(0)
             entry.device_bytes = None
-        for saved in self.saved:
+        for saved in self._live_saved():
             saved.tensor = None
         self.state = "host"
 
@@ -298,17 +304,27 @@ class SwapGroup:
             self._ensure_loaded()
 
     def _ensure_loaded(self) -> None:
+        self._start_backward()
         if self.state in ("forward", "copying", "kept", "loaded"):
             return
         self.start_load()
-        previous = self.previous() if self.previous is not None else None
-        if previous is not None:
-            previous.start_load()
         self.manager.wait(self.load_event)
         self.state = "loaded"
 
+    def _start_backward(self) -> None:
+        """This group's backward begins: prefetch the previous group's tensors."""
+        if self.backward_started:
+            return
+        self.backward_started = True
+        previous = self.previous() if self.previous is not None else None
+        if previous is not None:
+            previous.start_load()
+
     def unpack(self, saved: _Saved) -> torch.Tensor:
         if saved.tensor is not None:
+            if not self.backward_started:
+                with _quiet():
+                    self._start_backward()
             return saved.tensor
         if saved.rebuilt is None:
             with _quiet():
