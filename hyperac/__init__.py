@@ -10,7 +10,7 @@ op-level selective policy), with gradients unchanged; one call undoes it::
 """
 
 from .adapters import Adapter, register_adapter, unregister_adapter
-from .api import applied_plan, apply, remove, swap_stats
+from .api import applied_plan, apply, estimate, remove, swap_stats
 from .backends import Backend, available_backends, get_backend, register_backend
 from .config import Config
 from .errors import BackendUnavailableError, ConfigError, HyperACError, HyperACWarning, UnsupportedModelError
@@ -33,6 +33,7 @@ __all__ = [
     "UnsupportedModelError",
     "applied_plan",
     "apply",
+    "estimate",
     "available_backends",
     "get_backend",
     "register_adapter",

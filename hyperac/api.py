@@ -10,20 +10,23 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import _hf
 from .adapters import Adapter, find_adapter, resolve_regions
 from .backends import Backend, get_backend
-from .config import RECOMPUTE_MODES, Config
+from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError, warn_once
+from .measure import ActivationMeter
 from .plan import LayerPlan, Plan, assign_modes
+from .planner import Estimate, choose_modes, parse_budget, profile
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap, restore_forward
 from .swap import LayerSwap, SwapManager, SwapStats
 
-__all__ = ["applied_plan", "apply", "remove", "swap_stats"]
+__all__ = ["applied_plan", "apply", "estimate", "remove", "swap_stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ def _check_wrapped(layers: list[Layer], modes: list[str]) -> None:
 def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[str]) -> list[bool]:
     """Which layers take part in swap. Swap is dropped, with a warning, where it cannot work."""
     wanted = [mode == "swap" or (config.swap_inputs and mode in RECOMPUTE_MODES)
-              or (config.swap_selective_outputs and mode == "selective") for mode in modes]
+              or (config.swap_selective_outputs and mode in SELECTIVE_MODES) for mode in modes]
     if not any(wanted):
         return wanted
     reason = None
@@ -159,6 +162,9 @@ def apply(
     swap_selective_outputs: bool = _UNSET,
     min_swap_bytes: int = _UNSET,
     host_budget_bytes: int | None = _UNSET,
+    budget: Any = _UNSET,
+    sample: Any = _UNSET,
+    plan: Any = _UNSET,
     adapter: Any = _UNSET,
 ) -> Plan:
     """Make ``model`` keep fewer activations on the device, by recomputing them in backward or by
@@ -184,12 +190,18 @@ def apply(
         dict(mode=mode, backend=backend, layers=layers, compile=compile,
              allow_cache_entry_mutation=allow_cache_entry_mutation, swap_inputs=swap_inputs,
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
-             host_budget_bytes=host_budget_bytes, adapter=adapter),
+             host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter),
     )
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    modes = assign_modes(found, config)
+    prediction: dict[str, int] = {}
+    if config.plan is not None:
+        modes = _modes_from_plan(config.plan, found)
+    elif config.mode == "auto":
+        modes, prediction = _auto_modes(model, found, config, chosen_backend)
+    else:
+        modes = assign_modes(found, config)
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
@@ -200,7 +212,7 @@ def apply(
     swaps = _swap_flags(config, chosen_backend, modes, notes)
     # The last swapping layer keeps its tensors (its backward comes first) but stays in the chain.
     last_swap = max((i for i, flag in enumerate(swaps) if flag), default=None)
-    plan = Plan(
+    result = Plan(
         backend=chosen_backend.name,
         adapter=adapter_name,
         layers=tuple(
@@ -210,26 +222,29 @@ def apply(
             for i, (layer, mode, swap) in enumerate(zip(found, modes, swaps))
         ),
         notes=tuple(notes),
+        **prediction,
     )
-    ops = resolve_op_sets(chosen_backend) if "selective" in modes else None
+    ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) else None
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if any(swaps) else None
     undo: list[Callable[[], None]] = []
     try:
         _hf.disable_use_cache(configs, undo)
         _install(found, modes, swaps, last_swap, regions, ops, config, manager, undo)
-        model.__dict__[_STATE] = _AppliedState(plan, undo, manager)
+        model.__dict__[_STATE] = _AppliedState(result, undo, manager)
         undo.append(lambda: model.__dict__.pop(_STATE, None))
         if manager is not None:
             finalizer = weakref.finalize(model, manager.release)
             undo.append(finalizer)
+        if result.predicted_bytes is not None:
+            _verify_first_step(model, result.predicted_bytes, undo)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:
         for step in reversed(undo):
             step()
         raise
-    logger.info("%s", plan.summary())
-    return plan
+    logger.info("%s", result.summary())
+    return result
 
 
 def _install(
@@ -260,6 +275,90 @@ def _install(
         for _, module in roots:
             if id(module) not in installed:
                 track(module, install_recompute(module, context_fn, layer_swap))
+
+
+def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
+    if [layer.fqn for layer in plan.layers] != [layer.fqn for layer in found]:
+        raise ConfigError(
+            f"Config.plan names layers {[layer.fqn for layer in plan.layers][:3]}... ({len(plan.layers)} in all), "
+            f"but this model has {[layer.fqn for layer in found][:3]}... ({len(found)}); apply a plan to the model "
+            "(or an identical one) it was made for."
+        )
+    return [layer.mode for layer in plan.layers]
+
+
+def _uniform_runner(model: nn.Module, found: list[Layer], backend: Backend, adapter: Any) -> Callable:
+    """``mode -> undo``: apply one mode to every layer of ``found`` (for profiling)."""
+    containers = list(dict.fromkeys(layer.container for layer in found))
+
+    def run(mode: str) -> Callable[[], None]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", HyperACWarning)
+            apply(model, mode=mode, backend=backend, layers=containers, adapter=adapter)
+        return lambda: remove(model)
+
+    return run
+
+
+def _auto_modes(model: nn.Module, found: list[Layer], config: Config, backend: Backend) -> tuple[list[str], dict]:
+    estimate_ = profile(model, config.sample, found, _uniform_runner(model, found, backend, config.adapter))
+    budget = parse_budget(config.budget, estimate_.total_bytes(["off"] * len(found)))
+    modes = choose_modes(estimate_, budget)
+    return modes, {
+        "predicted_bytes": estimate_.total_bytes(modes),
+        "predicted_recompute_flops": estimate_.total_recompute_flops(modes),
+        "budget_bytes": budget,
+    }
+
+
+def _verify_first_step(model: nn.Module, predicted: int, undo: list[Callable[[], None]]) -> None:
+    """Measure the first training forward's activation bytes; warn if they miss the prediction by
+    more than 10%. One-shot: the hooks remove themselves."""
+    meters: list[ActivationMeter] = []
+
+    def before(module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled() and not meters:
+            meters.append(ActivationMeter())
+            meters[0].__enter__()
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if not meters or meters[0].activation_bytes is not None:
+            return
+        measured = meters[0].mark_backward()
+        meters[0].__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
+        if abs(measured - predicted) > 0.1 * predicted:
+            warnings.warn(
+                f"the first step kept {measured} activation bytes ({measured / 2**20:.1f} MiB) but the plan "
+                f"predicted {predicted} ({predicted / 2**20:.1f} MiB), a miss of more than 10%; the sample given "
+                "to mode='auto' may not match the training batches.",
+                HyperACWarning, stacklevel=2,
+            )
+
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    undo.extend(handle.remove for handle in handles)
+
+
+def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: Any = None) -> Estimate:
+    """Profile one step of ``model`` per mode and report, per layer, the activation bytes each mode
+    keeps and the FLOPs it replays. The model is left as it was (gradients, buffers, RNG state).
+
+    Args:
+        model: works on real tensors and on a model built on the ``meta`` device.
+        sample: a dict of model keyword arguments for one step, or a callable ``model -> loss``.
+        backend, layers: as for :func:`apply` (``layers`` names containers, not modes).
+
+    Returns:
+        An :class:`hyperac.planner.Estimate`; ``print()`` it for a table.
+    """
+    config = Config(mode="full", backend=backend, layers=layers, sample=sample)
+    if config.layer_spec.rules:
+        raise ConfigError("estimate() takes container paths in layers=, not per-layer modes.")
+    named_modules = _check_model(model)
+    chosen = get_backend(config.backend)
+    found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
+    return profile(model, sample, found, _uniform_runner(model, found, chosen, None))
 
 
 def applied_plan(model: nn.Module) -> Plan | None:

@@ -11,8 +11,9 @@ from .errors import ConfigError
 
 __all__ = ["MODES", "Config", "LayerRule", "LayerSpec"]
 
-MODES = ("off", "full", "selective", "swap")
-RECOMPUTE_MODES = ("full", "selective")
+MODES = ("off", "full", "selective", "pointwise", "swap")
+SELECTIVE_MODES = ("selective", "pointwise")
+RECOMPUTE_MODES = ("full", *SELECTIVE_MODES)
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
 
 
@@ -154,7 +155,8 @@ class Config:
     """Default mode of each layer: ``"off"`` keeps every activation (``False``, YAML's reading of a
     bare ``off``, means the same), ``"full"`` keeps only the layer input and recomputes the layer in
     backward, ``"selective"`` keeps the outputs of expensive ops (every other matmul, attention,
-    collectives) and recomputes the rest, ``"swap"`` recomputes nothing but keeps the tensors the
+    collectives) and recomputes the rest, ``"pointwise"`` keeps every matmul's output too and
+    recomputes only cheap ops (norms, activations, pointwise), ``"swap"`` recomputes nothing but keeps the tensors the
     layer saves for backward (those of at least ``min_swap_bytes``) in host memory."""
 
     backend: Any = "auto"
@@ -190,6 +192,17 @@ class Config:
     """Most host memory the swap buffers may take (``None``: half of the host's physical memory).
     When it is spent, further tensors stay on the device, with one warning."""
 
+    budget: Any = None
+    """``mode="auto"``: the activation bytes a step may keep, as a byte count, a size string like
+    ``"24GiB"``, or a fraction in (0, 1] of what the model keeps with nothing recomputed."""
+
+    sample: Any = None
+    """``mode="auto"``: a dict of model keyword arguments for one step (``input_ids``, ``labels``...),
+    or a callable ``model -> loss``; profiled once per mode to estimate each layer's costs."""
+
+    plan: Any = None
+    """A :class:`hyperac.Plan` (or its ``to_dict()``) to apply again: its per-layer modes and swap."""
+
     adapter: Any = None
     """Recompute regions inside layers. ``None``: the adapter registered for the model's
     ``model_type`` or architecture, if any. An :class:`hyperac.Adapter`, a registered name, or
@@ -198,11 +211,12 @@ class Config:
     def __post_init__(self) -> None:
         if self.mode is False:  # YAML reads a bare `off` as False
             object.__setattr__(self, "mode", "off")
-        if not isinstance(self.mode, str) or self.mode not in MODES:
+        if not isinstance(self.mode, str) or self.mode not in (*MODES, "auto"):
             raise ConfigError(
-                f"Config.mode must be one of {', '.join(repr(m) for m in MODES)}, got {self.mode!r}; "
+                f"Config.mode must be one of {', '.join(repr(m) for m in (*MODES, 'auto'))}, got {self.mode!r}; "
                 "e.g. mode='selective'."
             )
+        self._check_auto()
         for field in ("compile", "allow_cache_entry_mutation", "swap_inputs", "swap_selective_outputs"):
             _check_bool(field, getattr(self, field))
         _check_byte_count("min_swap_bytes", self.min_swap_bytes, allow_none=False)
@@ -223,14 +237,43 @@ class Config:
         object.__setattr__(self, "_layer_spec", parse_layers(self.layers))
         self._check_swap_needs()
 
+    def _check_auto(self) -> None:
+        from .plan import Plan
+        from .planner import parse_budget
+
+        if self.mode == "auto":
+            if self.budget is None or self.sample is None:
+                raise ConfigError(
+                    f"Config.mode='auto' needs budget= and sample= (got budget={self.budget!r}, "
+                    f"sample={type(self.sample).__name__}); e.g. budget='24GiB', sample={{'input_ids': ids}}."
+                )
+            parse_budget(self.budget)
+            if isinstance(self.layers, Mapping) and any(_is_index_key(k) for k in self.layers):
+                raise ConfigError("Config.mode='auto' chooses each layer's mode itself; pass no per-layer modes.")
+        elif self.budget is not None:
+            raise ConfigError(f"Config.budget={self.budget!r} only applies to mode='auto', not {self.mode!r}.")
+        if self.sample is not None and not (isinstance(self.sample, Mapping) or callable(self.sample)):
+            raise ConfigError(
+                f"Config.sample must be a dict of model keyword arguments or a callable model -> loss, "
+                f"got {type(self.sample).__name__}."
+            )
+        if self.plan is not None:
+            if not isinstance(self.plan, (Plan, Mapping)):
+                raise ConfigError(
+                    f"Config.plan must be a hyperac.Plan or its to_dict(), got {type(self.plan).__name__}."
+                )
+            object.__setattr__(self, "plan", Plan.from_dict(self.plan) if isinstance(self.plan, Mapping) else self.plan)
+
     def _check_swap_needs(self) -> None:
         modes = {self.mode} | {rule.mode for rules in self.layer_spec.rules.values() for rule in rules}
+        if self.mode == "auto" or self.plan is not None:
+            return
         if self.swap_inputs and not modes & set(RECOMPUTE_MODES):
             raise ConfigError(
                 f"Config.swap_inputs=True needs layers that recompute, but every layer's mode is in {sorted(modes)}; "
                 "to keep a layer's saved tensors in host memory without recomputing it, use mode='swap'."
             )
-        if self.swap_selective_outputs and "selective" not in modes:
+        if self.swap_selective_outputs and not modes & set(SELECTIVE_MODES):
             raise ConfigError(
                 f"Config.swap_selective_outputs=True needs selective layers, but the modes are {sorted(modes)}; "
                 "use mode='selective' (or name selective layers in Config.layers)."

@@ -43,6 +43,27 @@ class Plan:
     adapter: str
     layers: tuple[LayerPlan, ...]
     notes: tuple[str, ...] = ()
+    predicted_bytes: int | None = None
+    """``mode="auto"``: the activation bytes the estimate predicts for this plan."""
+    predicted_recompute_flops: int | None = None
+    """``mode="auto"``: the FLOPs the estimate predicts it replays in backward per step."""
+    budget_bytes: int | None = None
+    """``mode="auto"``: the budget it was chosen for."""
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` output (e.g. read back from JSON or YAML)."""
+        try:
+            layers = tuple(
+                LayerPlan(**{**layer, "recomputed": tuple(layer.get("recomputed", ())),
+                             "excluded": tuple(layer.get("excluded", ()))})
+                for layer in data["layers"]
+            )
+            fields = {k: data[k] for k in ("predicted_bytes", "predicted_recompute_flops", "budget_bytes") if k in data}
+            return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
+                       notes=tuple(data.get("notes", ())), **fields)
+        except (KeyError, TypeError) as error:
+            raise ConfigError(f"Config.plan is not a plan dict (as Plan.to_dict() writes it): {error}") from None
 
     def count(self, mode: str) -> int:
         return sum(1 for layer in self.layers if layer.mode == mode)
@@ -50,7 +71,7 @@ class Plan:
     def summary(self) -> str:
         """One line: backend, adapter and how many layers got each mode."""
         counts = ", ".join(
-            f"{n} {mode}" for mode in ("full", "selective", "swap", "off") if (n := self.count(mode))
+            f"{n} {mode}" for mode in ("full", "selective", "pointwise", "swap", "off") if (n := self.count(mode))
         )
         swapping = sum(1 for layer in self.layers if layer.swap)
         if swapping:
@@ -63,6 +84,9 @@ class Plan:
             "adapter": self.adapter,
             "layers": [layer.to_dict() for layer in self.layers],
             "notes": list(self.notes),
+            "predicted_bytes": self.predicted_bytes,
+            "predicted_recompute_flops": self.predicted_recompute_flops,
+            "budget_bytes": self.budget_bytes,
         }
 
     def __str__(self) -> str:
@@ -72,6 +96,12 @@ class Plan:
             swap = "yes" if layer.swap else "-"
             lines.append(
                 f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.mode:<9}  {swap:<4}  {_describe_targets(layer)}"
+            )
+        if self.predicted_bytes is not None:
+            lines.append(
+                f"predicted: {self.predicted_bytes / 2**20:.2f} MiB kept for backward (budget "
+                f"{(self.budget_bytes or 0) / 2**20:.2f} MiB), {(self.predicted_recompute_flops or 0) / 1e9:.3f} "
+                "GFLOP replayed per step"
             )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_recompute
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from .config import SELECTIVE_MODES
 from .policy import OpSets, bypass_replay, compile_context_fn, selective_contexts
 from .swap import LayerSwap, current_group
 
@@ -91,9 +92,11 @@ def _context_fn(
     """A ``context_fn`` for ``torch.utils.checkpoint``: fresh contexts per region invocation."""
 
     def make() -> tuple[Any, Any]:
-        if mode == "selective":
+        if mode in SELECTIVE_MODES:
             group = current_group() if swap_outputs else None
-            forward_ctx, replay_ctx = selective_contexts(ops, allow_cache_entry_mutation, group)
+            forward_ctx, replay_ctx = selective_contexts(
+                ops, allow_cache_entry_mutation, group, keep_every_matmul=mode == "pointwise"
+            )
         else:
             forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         if not has_exclusions:
@@ -130,7 +133,7 @@ def build_context_fn(
 ) -> Callable[[], tuple[Any, Any]] | None:
     """The ``context_fn`` a region of ``mode`` uses, or ``None`` for PyTorch's default."""
     if compile:
-        return compile_context_fn(ops) if mode == "selective" else None
+        return compile_context_fn(ops) if mode in SELECTIVE_MODES else None
     if mode == "full" and not has_exclusions:
         return None
     return _context_fn(mode, ops, allow_cache_entry_mutation, has_exclusions, swap_outputs)

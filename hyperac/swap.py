@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -72,15 +73,18 @@ class SwapStats:
     offloaded_tensors: int = 0
     skipped: Counter = dataclasses.field(default_factory=Counter)
     """Tensors kept on the device, by reason: ``small``, ``parameter``, ``not_on_device``,
-    ``subclass``, ``last_layer``, ``budget``, ``modified``, ``shared``."""
+    ``subclass``, ``layout`` (sparse, nested, quantized, or a lazy conjugate/negative view: a
+    rebuilt plain tensor would lose that), ``last_layer``, ``budget``, ``modified``, ``shared``."""
     waits: int = 0
     wait_seconds: float | None = None
     """Time the compute stream waited on copies, where the backend can time it."""
 
     def reset(self) -> None:
+        timed = self.wait_seconds is not None
         for field in dataclasses.fields(self):
             setattr(self, field.name, field.default_factory() if field.default_factory is not dataclasses.MISSING
                     else field.default)
+        self.wait_seconds = 0.0 if timed else None
 
     def __str__(self) -> str:
         skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.skipped.items())) or "none"
@@ -100,6 +104,7 @@ class HostPool:
         self.budget_bytes = budget_bytes
         self.allocated_bytes = 0
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._closed = False
         self._lock = threading.Lock()
 
     @staticmethod
@@ -120,13 +125,19 @@ class HostPool:
 
     def release(self, buffer: torch.Tensor) -> None:
         with self._lock:
-            self._free.setdefault(buffer.numel(), []).append(buffer)
+            if not self._closed:
+                self._free.setdefault(buffer.numel(), []).append(buffer)
 
     def clear(self) -> None:
-        """Drop every buffer (those still in use are dropped by their groups)."""
+        """Drop every buffer; those still in use are dropped when their groups return them."""
         with self._lock:
+            self._closed = True
             self._free.clear()
             self.allocated_bytes = 0
+
+
+# How many tensors and storage objects hold a storage (private; None where this torch lacks it).
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -136,15 +147,29 @@ def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Te
 class _Entry:
     """One storage of a group: its device bytes, host copy and reloaded bytes."""
 
-    __slots__ = ("nbytes", "device_bytes", "host", "tensors", "in_place", "pool", "__weakref__")
+    __slots__ = ("nbytes", "device", "device_bytes", "host", "cached", "in_place", "pool", "__weakref__")
 
     def __init__(self, storage: torch.UntypedStorage, device: torch.device, pool: HostPool, in_place: bool):
         self.nbytes = storage.nbytes()
+        self.device = device
         self.device_bytes: torch.Tensor | None = _flat_bytes(storage, device)
         self.host: torch.Tensor | None = None
-        self.tensors: list[torch.Tensor] = []
+        # Op outputs a selective policy keeps, held weakly: one still alive after the layer ended
+        # is held by someone besides the cache (NOTE [Swapping selective outputs]).
+        self.cached: list[weakref.ref] = []
         self.in_place = in_place
         self.pool = pool
+
+    def escaped(self) -> bool:
+        """Whether a kept op output of this storage is referenced outside the selective cache."""
+        if any(ref() is not None for ref in self.cached):
+            return True
+        if _storage_use_count is None:
+            return False
+        # Expected holders: the cache's detached alias of each kept output, device_bytes, and the
+        # storage object this call creates. A view or alias kept anywhere else adds one.
+        storage = self.device_bytes.untyped_storage()
+        return _storage_use_count(storage._cdata) > len(self.cached) + 2
 
     def release_host(self) -> None:
         if self.host is not None:
@@ -184,6 +209,14 @@ class SwapGroup:
         self.backward_started = False
         _LIVE_GROUPS.add(self)
 
+    def __del__(self) -> None:
+        # Dropped with copies in flight (a forward never backwarded, a backward that stopped early):
+        # the compute stream waits for them, so the allocator reuses this group's device memory
+        # only after the copy stream is done with it.
+        event = {"copying": self.offload_event, "loading": self.load_event}.get(self.state)
+        if event is not None and not sys.is_finalizing():
+            self.manager.wait(event)
+
     def _entry(self, storage: torch.UntypedStorage, device: torch.device, in_place: bool) -> _Entry:
         key = storage._cdata
         entry = self.entries.get(key)
@@ -212,21 +245,23 @@ class SwapGroup:
             self.manager.stats.skipped[reason] += 1
             return
         with _quiet():
-            self._entry(tensor.untyped_storage(), tensor.device, in_place=True).tensors.append(tensor)
+            self._entry(tensor.untyped_storage(), tensor.device, in_place=True).cached.append(weakref.ref(tensor))
 
     def close(self, protected: set[int]) -> None:
         """The layer's forward ended: start the device -> host copies (or keep everything)."""
         stats, backend = self.manager.stats, self.manager.backend
         saved = self._live_saved()
         if not self.offload:
-            stats.skipped["last_layer"] += len(saved) + sum(len(e.tensors) for e in self.entries.values())
+            stats.skipped["last_layer"] += len(saved) + sum(len(e.cached) for e in self.entries.values())
             self.state = "kept"
             return
         modified = {id(s.entry) for s in saved if s.tensor._version != s.version}
         copying = []
         for key, entry in list(self.entries.items()):
-            count = len(entry.tensors) + sum(1 for s in saved if s.entry is entry)
-            reason = "modified" if id(entry) in modified else "shared" if entry.in_place and key in protected else None
+            count = len(entry.cached) + sum(1 for s in saved if s.entry is entry)
+            reason = "modified" if id(entry) in modified else None
+            if reason is None and entry.in_place and (key in protected or entry.escaped()):
+                reason = "shared"
             if reason is None:
                 entry.host = self.manager.pool.acquire(entry.nbytes)
                 if entry.host is None:
@@ -264,8 +299,10 @@ class SwapGroup:
         self.manager.wait(self.offload_event)
         for entry in self.entries.values():
             if entry.in_place:
+                # Keep the (now empty) view: it is how start_load regrows the same storage.
                 entry.device_bytes.untyped_storage().resize_(0)
-            entry.device_bytes = None
+            else:
+                entry.device_bytes = None
         for saved in self._live_saved():
             saved.tensor = None
         self.state = "host"
@@ -277,14 +314,11 @@ class SwapGroup:
         if self.state != "host":
             return
         manager, backend = self.manager, self.manager.backend
-        device = backend.device()
         for entry in self.entries.values():
             if entry.in_place:
-                storage = entry.tensors[0].untyped_storage()
-                storage.resize_(entry.nbytes)
-                entry.device_bytes = _flat_bytes(storage, storage.device)
+                entry.device_bytes.untyped_storage().resize_(entry.nbytes)
             else:
-                entry.device_bytes = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+                entry.device_bytes = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
         ready = backend.new_event()
         ready.record(backend.current_stream())
         manager.copy_stream.wait_event(ready)
@@ -400,6 +434,9 @@ class SwapManager:
             return "parameter"
         if tensor.device.type != self.backend.device_type:
             return "not_on_device"
+        if (tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_conj()
+                or tensor.is_neg()):
+            return "layout"
         if tensor.untyped_storage().nbytes() < self.min_swap_bytes:
             return "small"
         return None
@@ -415,6 +452,11 @@ class SwapManager:
         try:
             with torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack):
                 output = call(*args, **kwargs)
+        except BaseException:
+            # This forward is abandoned: the next layer invocation starts a new chain, so no later
+            # backward prefetches groups of a graph that never runs backward.
+            self._last = None
+            raise
         finally:
             _current_group.reset(token)
         with _quiet():
