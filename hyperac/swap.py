@@ -26,13 +26,21 @@ Backward, first unpack in group i (``SwapGroup.materialize``):
   3. the compute stream waits on L_i, then the saved tensors are rebuilt on the new storage.
 Host buffers go back to the pool once their host -> device copy is issued: every copy runs on the
 one copy stream, so a later device -> host copy into the same buffer is ordered after it.
+A group dropped with copies in flight (a forward never backwarded, a backward that stopped early)
+makes the compute stream wait on its event first, so its device memory is reused only after
+the copy. A forward that raises ends the chain: the next layer invocation has no previous group,
+so no backward prefetches a group whose graph never runs backward.
 
 NOTE [Swapping selective outputs]
 PyTorch's selective cache keeps op outputs outside ``saved_tensors_hooks``, so those tensors are
 swapped in place: the storage is copied out and resized to zero bytes; before the replay of the
 region it is re-grown and the data copied back. The tensor objects the cache holds stay valid.
-A storage shared with the layer's inputs or outputs is never resized (someone else still reads
-it); such tensors stay on the device.
+A storage someone else may still read is never resized; such tensors stay on the device
+(``shared``): one shared with the layer's inputs or outputs, and one referenced outside the
+cache when the layer ends (a hook that recorded the op output, as HF output recorders do with
+router logits; an attribute; a view or alias kept by the model). The group holds the op outputs
+only weakly, so one still alive then is held elsewhere; aliases are found by the storage's use
+count, which counts the cache's own detached alias of each kept output.
 """
 
 from __future__ import annotations
@@ -164,12 +172,16 @@ class _Entry:
         """Whether a kept op output of this storage is referenced outside the selective cache."""
         if any(ref() is not None for ref in self.cached):
             return True
+        # The cache holds a detached alias of each kept output.
+        return self.held_elsewhere(len(self.cached))
+
+    def held_elsewhere(self, known: int) -> bool:
+        """Whether tensors other than ``known`` ones and ``device_bytes`` hold this storage."""
         if _storage_use_count is None:
             return False
-        # Expected holders: the cache's detached alias of each kept output, device_bytes, and the
-        # storage object this call creates. A view or alias kept anywhere else adds one.
         storage = self.device_bytes.untyped_storage()
-        return _storage_use_count(storage._cdata) > len(self.cached) + 2
+        # Holders: the known tensors, device_bytes, and the storage object made just above.
+        return _storage_use_count(storage._cdata) > known + 2
 
     def release_host(self) -> None:
         if self.host is not None:
@@ -213,7 +225,8 @@ class SwapGroup:
         # Dropped with copies in flight (a forward never backwarded, a backward that stopped early):
         # the compute stream waits for them, so the allocator reuses this group's device memory
         # only after the copy stream is done with it.
-        event = {"copying": self.offload_event, "loading": self.load_event}.get(self.state)
+        state = getattr(self, "state", None)
+        event = {"copying": self.offload_event, "loading": self.load_event}.get(state) if state else None
         if event is not None and not sys.is_finalizing():
             self.manager.wait(event)
 
@@ -297,15 +310,29 @@ class SwapGroup:
         if self.state != "copying":
             return
         self.manager.wait(self.offload_event)
-        for entry in self.entries.values():
+        saved = self._live_saved()
+        stats = self.manager.stats
+        for key, entry in list(self.entries.items()):
             if entry.in_place:
                 # Keep the (now empty) view: it is how start_load regrows the same storage.
                 entry.device_bytes.untyped_storage().resize_(0)
-            else:
-                entry.device_bytes = None
-        for saved in self._live_saved():
-            saved.tensor = None
-        self.state = "host"
+                continue
+            mine = [s for s in saved if s.entry is entry]
+            if entry.held_elsewhere(len({id(s.tensor) for s in mine})):
+                # Still read outside this group (NOTE [Tensors that outlive the layer]): dropping it
+                # frees nothing, and a reload would duplicate it. It stays; the host copy goes.
+                entry.release_host()
+                del self.entries[key]
+                stats.offloaded_tensors -= len(mine)
+                stats.offloaded_bytes -= entry.nbytes
+                stats.skipped["shared"] += len(mine)
+                continue
+            entry.device_bytes = None
+        for s in saved:
+            if s.entry.host is not None:
+                s.tensor = None
+        self.saved = [weakref.ref(s) for s in saved if s.entry.host is not None]
+        self.state = "host" if self.entries else "kept"
 
     def start_load(self) -> None:
         """Issue the host -> device copies (on the copy stream, after a compute-stream event)."""

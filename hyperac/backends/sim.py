@@ -12,6 +12,7 @@ import collections
 import contextlib
 import contextvars
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -91,8 +92,13 @@ class SimBackend(Backend):
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
 
+    def __init__(self) -> None:
+        self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet()
+
     def new_stream(self) -> SimStream:
-        return SimStream()
+        stream = SimStream()
+        self._streams.add(stream)
+        return stream
 
     def current_stream(self) -> SimStream:
         return _current.get()
@@ -115,3 +121,8 @@ class SimBackend(Backend):
 
     def copy_(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         _current.get().enqueue(lambda: destination.copy_(source))
+
+    def synchronize(self) -> None:
+        """Land every copy queued on the streams this backend made."""
+        for stream in list(self._streams):
+            stream.synchronize()
