@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from . import _hf
 from .adapters import Adapter, find_adapter, resolve_regions
@@ -301,7 +302,9 @@ def _uniform_runner(model: nn.Module, found: list[Layer], backend: Backend, adap
 
 
 def _auto_modes(model: nn.Module, found: list[Layer], config: Config, backend: Backend) -> tuple[list[str], dict]:
-    estimate_ = profile(model, config.sample, found, _uniform_runner(model, found, backend, config.adapter))
+    estimate_ = profile(
+        model, config.sample, found, _uniform_runner(model, found, backend, config.adapter), backend.device_type
+    )
     budget = parse_budget(config.budget, estimate_.total_bytes(["off"] * len(found)))
     modes = choose_modes(estimate_, budget)
     return modes, {
@@ -311,23 +314,20 @@ def _auto_modes(model: nn.Module, found: list[Layer], config: Config, backend: B
     }
 
 
+def _first_grad_fn(output: Any) -> Any:
+    loss = getattr(output, "loss", None)
+    candidates = [loss] if isinstance(loss, torch.Tensor) else []
+    candidates += [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    return next((t.grad_fn for t in candidates if t.grad_fn is not None), None)
+
+
 def _verify_first_step(model: nn.Module, predicted: int, undo: list[Callable[[], None]]) -> None:
-    """Measure the first training forward's activation bytes; warn if they miss the prediction by
-    more than 10%. One-shot: the hooks remove themselves."""
+    """Measure the activation bytes alive when the first training step's backward starts; warn if
+    they miss the prediction by more than 10%. One-shot: the hooks remove themselves."""
     meters: list[ActivationMeter] = []
 
-    def before(module: nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled() and not meters:
-            meters.append(ActivationMeter())
-            meters[0].__enter__()
-
-    def after(module: nn.Module, args: Any, output: Any) -> None:
-        if not meters or meters[0].activation_bytes is not None:
-            return
-        measured = meters[0].mark_backward()
-        meters[0].__exit__(None, None, None)
-        for handle in handles:
-            handle.remove()
+    def compare() -> None:
+        measured = meters[0].alive_bytes()
         if abs(measured - predicted) > 0.1 * predicted:
             warnings.warn(
                 f"the first step kept {measured} activation bytes ({measured / 2**20:.1f} MiB) but the plan "
@@ -336,7 +336,31 @@ def _verify_first_step(model: nn.Module, predicted: int, undo: list[Callable[[],
                 HyperACWarning, stacklevel=2,
             )
 
-    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    def before(module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled() and not meters:
+            meters.append(ActivationMeter())
+            meters[0].__enter__()
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if not meters or not meters[0]._recording:
+            return
+        meters[0].mark_backward()
+        meters[0].__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
+        grad_fn = _first_grad_fn(output)
+        if grad_fn is None:
+            return
+
+        # Measured when backward starts, as the estimate is: the outputs the caller drops by then
+        # (logits next to the loss) are not activations.
+        def at_backward(grad_outputs: Any) -> None:
+            handle.remove()
+            compare()
+
+        handle = grad_fn.register_prehook(at_backward)
+
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after, always_call=True)]
     undo.extend(handle.remove for handle in handles)
 
 
@@ -358,7 +382,7 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
     named_modules = _check_model(model)
     chosen = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    return profile(model, sample, found, _uniform_runner(model, found, chosen, None))
+    return profile(model, sample, found, _uniform_runner(model, found, chosen, None), chosen.device_type)
 
 
 def applied_plan(model: nn.Module) -> Plan | None:

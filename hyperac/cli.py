@@ -146,7 +146,12 @@ def _load_config(args: argparse.Namespace) -> Any:
             raise HyperACError(f"config file {args.config!r} is not JSON: {error}.") from None
         if "model_type" not in settings:
             raise HyperACError(f"config file {args.config!r} has no 'model_type' (an HF config.json has one).")
-    return AutoConfig.for_model(settings.pop("model_type"), **settings)
+    model_type = settings.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **settings)
+    except ValueError as error:  # an unknown model_type: transformers lists every known one
+        raise HyperACError(f"transformers cannot build a config for model_type {model_type!r}: "
+                           f"{str(error).split('. Should contain')[0][:200]}.") from None
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -181,7 +186,8 @@ def _parse_budget_argument(text: str) -> Any:
         value = float(text)
     except ValueError:
         return text
-    return value if value <= 1 else int(value)
+    # Whole numbers above 1 are byte counts; anything else (2.5, nan, inf) is left for parse_budget to refuse.
+    return int(value) if value > 1 and value.is_integer() else value
 
 
 def _parser() -> argparse.ArgumentParser:

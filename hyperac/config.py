@@ -216,7 +216,6 @@ class Config:
                 f"Config.mode must be one of {', '.join(repr(m) for m in (*MODES, 'auto'))}, got {self.mode!r}; "
                 "e.g. mode='selective'."
             )
-        self._check_auto()
         for field in ("compile", "allow_cache_entry_mutation", "swap_inputs", "swap_selective_outputs"):
             _check_bool(field, getattr(self, field))
         _check_byte_count("min_swap_bytes", self.min_swap_bytes, allow_none=False)
@@ -235,6 +234,7 @@ class Config:
                 f"got {self.adapter!r}."
             )
         object.__setattr__(self, "_layer_spec", parse_layers(self.layers))
+        self._check_auto()
         self._check_swap_needs()
 
     def _check_auto(self) -> None:
@@ -248,8 +248,11 @@ class Config:
                     f"sample={type(self.sample).__name__}); e.g. budget='24GiB', sample={{'input_ids': ids}}."
                 )
             parse_budget(self.budget)
-            if isinstance(self.layers, Mapping) and any(_is_index_key(k) for k in self.layers):
-                raise ConfigError("Config.mode='auto' chooses each layer's mode itself; pass no per-layer modes.")
+            if self.layer_spec.rules:
+                raise ConfigError(
+                    "Config.mode='auto' chooses each layer's mode itself; pass no per-layer modes "
+                    "(Config.layers may name containers, as a path or a list of paths)."
+                )
         elif self.budget is not None:
             raise ConfigError(f"Config.budget={self.budget!r} only applies to mode='auto', not {self.mode!r}.")
         if self.sample is not None and not (isinstance(self.sample, Mapping) or callable(self.sample)):

@@ -82,7 +82,8 @@ class _LayerTest:
     def is_declared(self, module: nn.Module) -> bool:
         if self.base is not None and isinstance(module, self.base):
             return True
-        return type(module).__name__ in self.names
+        # Through the class hierarchy: FSDP2 turns a sharded layer's class into FSDP<Layer>.
+        return any(cls.__name__ in self.names for cls in type(module).__mro__)
 
     def is_container(self, parent: nn.Module, container: nn.Module) -> bool:
         if not isinstance(container, _CONTAINER_TYPES) or len(container) == 0:

@@ -17,7 +17,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["ActivationMeter", "flop_counter"]
+__all__ = ["ActivationMeter", "created_storages", "flop_counter"]
+
+
+def created_storages(inputs: Any, out: Any) -> list[torch.UntypedStorage]:
+    """Storages of an op's output tensors that none of its inputs already had.
+
+    Views (``aten.t(weight)``, reshapes) and in-place results share an input's storage: that
+    storage was made elsewhere (a parameter, an earlier op), so the op did not create it.
+    """
+    seen = {t.untyped_storage()._cdata for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    created = []
+    for value in tree_flatten(out)[0]:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                created.append(storage)
+    return created
 
 
 def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -42,8 +59,9 @@ def flop_counter(display: bool = False) -> FlopCounterMode:
 class ActivationMeter(TorchDispatchMode):
     """Counts the bytes of storages created during forward that are alive when backward starts.
 
-    Enter it around forward *and* backward (a mode present only in forward would change the op
-    stream a selective replay sees); call :meth:`mark_backward` between them::
+    Views of parameters (``aten.t(weight)``) are not activations and are not counted. Enter it
+    around forward *and* backward (a mode present only in forward would change the op stream a
+    selective replay sees); call :meth:`mark_backward` between them::
 
         with ActivationMeter() as meter:
             loss = model(**batch).loss
@@ -61,17 +79,9 @@ class ActivationMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self._recording:
-            for value in tree_flatten(out)[0]:
-                if isinstance(value, torch.Tensor):
-                    self._record(value)
+            for storage in created_storages((args, kwargs), out):
+                self._storages[storage._cdata] = (weakref.ref(storage), storage.nbytes())
         return out
-
-    def _record(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self._storages and self._storages[key][0]() is storage:
-            return
-        self._storages[key] = (weakref.ref(storage), storage.nbytes())
 
     def alive_bytes(self) -> int:
         """Bytes of the recorded storages that are still alive (and not resized away) now."""

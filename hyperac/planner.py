@@ -8,8 +8,8 @@ allocating it (on ``meta``, data-dependent scalars such as "is there padding?" r
 
 :func:`choose_modes` then picks a mode per layer (``off``, ``pointwise``, ``selective``,
 ``full``) minimising replayed FLOPs subject to the byte budget: a multiple-choice knapsack,
-solved exactly by dynamic programming over a byte grid (rounded up, so a chosen plan never
-exceeds the budget by the grid's error).
+solved by dynamic programming over a byte grid: exactly when the byte counts' common divisor gives
+a fine enough grid, else with each layer's bytes rounded up (a chosen plan never exceeds the budget).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .errors import ConfigError
-from .measure import flop_counter
+from .measure import created_storages, flop_counter
 
 __all__ = ["ESTIMATE_MODES", "Estimate", "LayerEstimate", "choose_modes", "parse_budget"]
 
@@ -139,11 +139,8 @@ class _Profiler(TorchDispatchMode):
             if self.backward:
                 self.flops[owner] += flops
         if not self.backward:
-            for value in tree_flatten(out)[0]:
-                if isinstance(value, torch.Tensor):
-                    storage = value.untyped_storage()
-                    if id(storage) not in self.storages or self.storages[id(storage)][0]() is not storage:
-                        self.storages[id(storage)] = (weakref.ref(storage), owner)
+            for storage in created_storages((args, kwargs), out):
+                self.storages[storage._cdata] = (weakref.ref(storage), owner)
         return out
 
     def kept_bytes(self) -> dict[int | None, int]:
@@ -168,14 +165,23 @@ def _loss(model: nn.Module, sample: Any) -> torch.Tensor:
     return loss
 
 
+def _fork_rng(device_type: str) -> contextlib.AbstractContextManager:
+    """Restore the CPU generator, and the backend's device generators, on exit."""
+    if device_type in ("cpu", "meta"):
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(device_type=device_type)
+
+
 @contextlib.contextmanager
-def _side_effects_undone(model: nn.Module) -> Iterator[None]:
+def _side_effects_undone(model: nn.Module, device_type: str) -> Iterator[None]:
     """Gradients, buffers, RNG and training flags are as they were after the profiling steps."""
     grads = {p: p.grad for p in model.parameters()}
     buffers = {b: b.detach().clone() for b in model.buffers() if b.device.type != "meta"}
     training = {m: m.training for m in model.modules()}
-    with torch.random.fork_rng(devices=[]):
+    with _fork_rng(device_type):
         try:
+            for parameter in grads:  # backward would accumulate into the caller's grads in place
+                parameter.grad = None
             yield
         finally:
             for parameter, grad in grads.items():
@@ -187,8 +193,12 @@ def _side_effects_undone(model: nn.Module) -> Iterator[None]:
                 module.training = flag
 
 
-def profile(model: nn.Module, sample: Any, layers: Sequence[Any], run_mode: Callable[[str], Any]) -> Estimate:
-    """Run one step per mode (``run_mode(mode)`` applies it and returns an undo callable)."""
+def profile(
+    model: nn.Module, sample: Any, layers: Sequence[Any], run_mode: Callable[[str], Any], device_type: str = "cpu"
+) -> Estimate:
+    """Run one step per mode (``run_mode(mode)`` applies it and returns an undo callable).
+
+    ``device_type``: where the model's tensors live, so that its RNG is restored afterwards."""
     owner_of: dict[int, int] = {}
     for layer in layers:
         for module in layer.module.modules():
@@ -196,7 +206,7 @@ def profile(model: nn.Module, sample: Any, layers: Sequence[Any], run_mode: Call
     kept: dict[str, dict[int | None, int]] = {}
     replayed: dict[str, dict[int | None, int]] = {}
     base_flops = 0
-    with _side_effects_undone(model):
+    with _side_effects_undone(model, device_type):
         model.train()
         for mode in ESTIMATE_MODES:
             undo = run_mode(mode)
@@ -240,7 +250,7 @@ def parse_budget(budget: Any, off_bytes: int | None = None) -> int:
     if isinstance(budget, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
         unit = match.group(2).lower() if match else None
-        if match and unit in _UNITS:
+        if match and unit in _UNITS and int(float(match.group(1)) * _UNITS[unit]) > 0:
             return int(float(match.group(1)) * _UNITS[unit])
     raise ConfigError(
         f"Config.budget must be a positive byte count, a size like '24GiB' or '512MB', or a fraction in (0, 1] "
@@ -249,7 +259,7 @@ def parse_budget(budget: Any, off_bytes: int | None = None) -> int:
 
 
 def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = ESTIMATE_MODES,
-                 grid: int = 4096) -> list[str]:
+                 grid: int = 1 << 16) -> list[str]:
     """The per-layer modes with the fewest replayed FLOPs whose predicted bytes fit the budget.
 
     Raises:
@@ -263,7 +273,11 @@ def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = E
             f"{floor} bytes ({floor / 2**20:.1f} MiB) with every layer in full recompute; raise the budget or "
             "shrink the batch or sequence."
         )
-    unit = max(1, math.ceil(capacity / grid))
+    if "off" in modes and estimate.total_bytes(["off"] * len(estimate.layers)) <= budget_bytes:
+        return ["off"] * len(estimate.layers)
+    # A multiple of the byte counts' common divisor: exact (no rounding) when the grid allows it.
+    divisor = math.gcd(*(layer.kept_bytes[mode] for layer in estimate.layers for mode in modes)) or 1
+    unit = divisor * max(1, math.ceil(capacity / (divisor * grid)))
     slots = capacity // unit + 1
     best = torch.zeros(slots, dtype=torch.float64)
     choices = []
@@ -274,7 +288,7 @@ def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = E
             if weight < slots:
                 candidates[row, weight:] = best[: slots - weight] + layer.recompute_flops[mode]
         best, choice = candidates.min(dim=0)
-        choices.append(choice)
+        choices.append(choice.to(torch.int8))
     if math.isinf(best[-1].item()):
         return ["full"] * len(estimate.layers)
     chosen: list[str] = []

@@ -19,17 +19,26 @@ Forward, layer i+1 ends: the compute stream waits on O_i (a device-side wait), t
 its device references. The device memory is free once no one else holds it; the allocator may
 reuse it only for work ordered after O_i, so the copy always reads valid data. The last swapping
 layer of the model is not offloaded: its backward comes first.
-Backward, first unpack in group i (``SwapGroup.materialize``):
+Backward, first unpack in group i (``SwapGroup.unpack``, ``ensure_loaded``):
   1. if group i is not loaded yet: allocate device storage on the compute stream, record event C,
      the copy stream waits on C, host -> device copy, record load event L_i;
   2. start the same load for group i-1 (prefetch: it overlaps layer i's backward);
   3. the compute stream waits on L_i, then the saved tensors are rebuilt on the new storage.
-Host buffers go back to the pool once their host -> device copy is issued: every copy runs on the
-one copy stream, so a later device -> host copy into the same buffer is ordered after it.
+Host buffers go back to the pool once the group's load has been waited on (a buffer dropped
+earlier, by a pool that ``release`` closed, could be freed under the copy still reading it).
 A group dropped with copies in flight (a forward never backwarded, a backward that stopped early)
 makes the compute stream wait on its event first, so its device memory is reused only after
 the copy. A forward that raises ends the chain: the next layer invocation has no previous group,
 so no backward prefetches a group whose graph never runs backward.
+
+NOTE [Tensors that outlive the layer]
+Saved tensors are never resized: when group i drops its references (the end of layer i+1), the
+device memory is freed only if nothing else holds the storage. A storage that outlives the layer
+(a rotary table or mask every layer reads, a hidden state the model returns to the user) stays
+valid on the device. The group keeps a weak reference to it; if the storage is still alive when
+the group loads, the saved tensors are rebuilt on it and the host copy is dropped, without a
+host -> device copy or a second device allocation. Such tensors count as kept (``shared``), not
+as offloaded.
 
 NOTE [Swapping selective outputs]
 PyTorch's selective cache keeps op outputs outside ``saved_tensors_hooks``, so those tensors are
@@ -39,8 +48,8 @@ A storage someone else may still read is never resized; such tensors stay on the
 (``shared``): one shared with the layer's inputs or outputs, and one referenced outside the
 cache when the layer ends (a hook that recorded the op output, as HF output recorders do with
 router logits; an attribute; a view or alias kept by the model). The group holds the op outputs
-only weakly, so one still alive then is held elsewhere; aliases are found by the storage's use
-count, which counts the cache's own detached alias of each kept output.
+only weakly, so one still alive then is held elsewhere; other aliases are found by the storage's
+use count, less the cache's own detached alias of each kept output.
 """
 
 from __future__ import annotations
@@ -82,7 +91,9 @@ class SwapStats:
     skipped: Counter = dataclasses.field(default_factory=Counter)
     """Tensors kept on the device, by reason: ``small``, ``parameter``, ``not_on_device``,
     ``subclass``, ``layout`` (sparse, nested, quantized, or a lazy conjugate/negative view: a
-    rebuilt plain tensor would lose that), ``last_layer``, ``budget``, ``modified``, ``shared``."""
+    rebuilt plain tensor would lose that), ``last_layer``, ``budget``, ``modified``, ``shared``
+    (still held outside the layer: a kept op output found so when the layer ends, or a saved
+    storage found still alive when its group loads; those leave ``offloaded_*`` then)."""
     waits: int = 0
     wait_seconds: float | None = None
     """Time the compute stream waited on copies, where the backend can time it."""
@@ -155,12 +166,14 @@ def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Te
 class _Entry:
     """One storage of a group: its device bytes, host copy and reloaded bytes."""
 
-    __slots__ = ("nbytes", "device", "device_bytes", "host", "cached", "in_place", "pool", "__weakref__")
+    __slots__ = ("nbytes", "device", "device_bytes", "storage_ref", "host", "cached", "in_place", "pool", "__weakref__")
 
     def __init__(self, storage: torch.UntypedStorage, device: torch.device, pool: HostPool, in_place: bool):
         self.nbytes = storage.nbytes()
         self.device = device
         self.device_bytes: torch.Tensor | None = _flat_bytes(storage, device)
+        # Dies with the storage: alive at reload, the storage is still on the device.
+        self.storage_ref = weakref.ref(storage)
         self.host: torch.Tensor | None = None
         # Op outputs a selective policy keeps, held weakly: one still alive after the layer ended
         # is held by someone besides the cache (NOTE [Swapping selective outputs]).
@@ -172,16 +185,12 @@ class _Entry:
         """Whether a kept op output of this storage is referenced outside the selective cache."""
         if any(ref() is not None for ref in self.cached):
             return True
-        # The cache holds a detached alias of each kept output.
-        return self.held_elsewhere(len(self.cached))
-
-    def held_elsewhere(self, known: int) -> bool:
-        """Whether tensors other than ``known`` ones and ``device_bytes`` hold this storage."""
         if _storage_use_count is None:
             return False
+        # Expected holders: the cache's detached alias of each kept output, device_bytes, and the
+        # storage's Python object. A view or alias kept anywhere else adds one.
         storage = self.device_bytes.untyped_storage()
-        # Holders: the known tensors, device_bytes, and the storage object made just above.
-        return _storage_use_count(storage._cdata) > known + 2
+        return _storage_use_count(storage._cdata) > len(self.cached) + 2
 
     def release_host(self) -> None:
         if self.host is not None:
@@ -193,16 +202,53 @@ class _Entry:
 
 
 class _Saved:
-    """What autograd stores for a swapped tensor: its entry and how to rebuild it."""
+    """What autograd stores for a tensor saved in a swap group: a detached alias while the tensor is
+    on the device, its entry and how to rebuild it once it is not (``entry`` is ``None`` for a
+    tensor that is never swapped).
 
-    __slots__ = ("group", "entry", "tensor", "version", "offset", "size", "stride", "dtype", "rebuilt", "__weakref__")
+    NOTE [Saved tensors under hooks]
+    The pack hook never returns the tensor it is given: an op that saves its own output (``tanh``,
+    ``exp``) would close a cycle output -> grad_fn -> saved -> output that the garbage collector
+    cannot see through, and the graph of a forward never run backward would never be freed. It
+    returns this object, which holds a detached alias (same storage and version counter).
+    Autograd checks a saved tensor's version only when no hooks are installed, so ``unpack`` makes
+    that check itself: against the alias while it is held, and against the caller's tensor while it
+    lives (a weak reference), so an in-place change after the save still raises autograd's error.
+    """
 
-    def __init__(self, group: SwapGroup, entry: _Entry, tensor: torch.Tensor) -> None:
-        self.group, self.entry, self.tensor = group, entry, tensor
+    __slots__ = ("group", "entry", "tensor", "original", "version", "changed", "offset", "size", "stride", "dtype",
+                 "device", "rebuilt", "__weakref__")
+
+    def __init__(self, group: SwapGroup, entry: _Entry | None, tensor: torch.Tensor) -> None:
+        with _quiet():
+            self.tensor: torch.Tensor | None = tensor.detach()
+        self.group, self.entry, self.original = group, entry, weakref.ref(tensor)
         self.version = tensor._version
-        self.offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
-        self.dtype = tensor.dtype
+        self.changed: int | None = None  # the version seen when the alias was dropped, if it moved
+        self.dtype, self.size, self.device = tensor.dtype, tensor.size(), tensor.device
+        if entry is not None:  # only strided tensors have the geometry to rebuild
+            self.offset, self.stride = tensor.storage_offset(), tensor.stride()
         self.rebuilt: torch.Tensor | None = None
+
+    def drop_alias(self) -> None:
+        if self.tensor._version != self.version:
+            self.changed = self.tensor._version
+        self.tensor = None
+
+    def check_version(self) -> None:
+        original = self.original()
+        current = self.changed if self.changed is not None else next(
+            (t._version for t in (self.tensor, original) if t is not None and t._version != self.version), None
+        )
+        if current is not None:
+            kind = torch.empty(0, dtype=self.dtype, device=self.device).type()  # torch.FloatTensor, as autograd says
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{kind} {list(self.size)}] is at version {current}; expected version {self.version} instead. "
+                "(hyperac swap checks this for autograd, which cannot while saved-tensor hooks are installed.) "
+                "Hint: enable anomaly detection to find the operation that failed to compute its gradient, with "
+                "torch.autograd.set_detect_anomaly(True)."
+            )
 
 
 class SwapGroup:
@@ -226,9 +272,10 @@ class SwapGroup:
         # the compute stream waits for them, so the allocator reuses this group's device memory
         # only after the copy stream is done with it.
         state = getattr(self, "state", None)
-        event = {"copying": self.offload_event, "loading": self.load_event}.get(state) if state else None
+        event = self.offload_event if state == "copying" else self.load_event if state == "loading" else None
         if event is not None and not sys.is_finalizing():
-            self.manager.wait(event)
+            with _quiet():
+                self.manager.wait(event)
 
     def _entry(self, storage: torch.UntypedStorage, device: torch.device, in_place: bool) -> _Entry:
         key = storage._cdata
@@ -238,10 +285,11 @@ class SwapGroup:
         return entry
 
     def pack(self, tensor: torch.Tensor) -> Any:
+        """NOTE [Saved tensors under hooks]."""
         reason = self.manager.ineligible(tensor)
         if reason is not None:
             self.manager.stats.skipped[reason] += 1
-            return tensor
+            return _Saved(self, None, tensor)
         with _quiet():
             entry = self._entry(tensor.untyped_storage(), tensor.device, in_place=False)
         saved = _Saved(self, entry, tensor)
@@ -310,29 +358,15 @@ class SwapGroup:
         if self.state != "copying":
             return
         self.manager.wait(self.offload_event)
-        saved = self._live_saved()
-        stats = self.manager.stats
-        for key, entry in list(self.entries.items()):
+        for entry in self.entries.values():
             if entry.in_place:
                 # Keep the (now empty) view: it is how start_load regrows the same storage.
                 entry.device_bytes.untyped_storage().resize_(0)
-                continue
-            mine = [s for s in saved if s.entry is entry]
-            if entry.held_elsewhere(len({id(s.tensor) for s in mine})):
-                # Still read outside this group (NOTE [Tensors that outlive the layer]): dropping it
-                # frees nothing, and a reload would duplicate it. It stays; the host copy goes.
-                entry.release_host()
-                del self.entries[key]
-                stats.offloaded_tensors -= len(mine)
-                stats.offloaded_bytes -= entry.nbytes
-                stats.skipped["shared"] += len(mine)
-                continue
-            entry.device_bytes = None
-        for s in saved:
-            if s.entry.host is not None:
-                s.tensor = None
-        self.saved = [weakref.ref(s) for s in saved if s.entry.host is not None]
-        self.state = "host" if self.entries else "kept"
+            else:
+                entry.device_bytes = None
+        for saved in self._live_saved():
+            saved.drop_alias()
+        self.state = "host"
 
     def start_load(self) -> None:
         """Issue the host -> device copies (on the copy stream, after a compute-stream event)."""
@@ -341,11 +375,26 @@ class SwapGroup:
         if self.state != "host":
             return
         manager, backend = self.manager, self.manager.backend
-        for entry in self.entries.values():
+        saved = self._live_saved()
+        for key, entry in list(self.entries.items()):
             if entry.in_place:
                 entry.device_bytes.untyped_storage().resize_(entry.nbytes)
-            else:
-                entry.device_bytes = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+                continue
+            storage = entry.storage_ref()
+            if storage is not None and storage.nbytes() == entry.nbytes:
+                # Still on the device (NOTE [Tensors that outlive the layer]): rebuild on it.
+                entry.device_bytes = _flat_bytes(storage, entry.device)
+                entry.release_host()
+                del self.entries[key]
+                count = sum(1 for s in saved if s.entry is entry)
+                manager.stats.offloaded_tensors -= count
+                manager.stats.offloaded_bytes -= entry.nbytes
+                manager.stats.skipped["shared"] += count
+                continue
+            entry.device_bytes = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+        if not self.entries:
+            self.state = "loaded"
+            return
         ready = backend.new_event()
         ready.record(backend.current_stream())
         manager.copy_stream.wait_event(ready)
@@ -355,8 +404,6 @@ class SwapGroup:
                 manager.stats.reloaded_bytes += entry.nbytes
             self.load_event = backend.new_event()
             self.load_event.record(manager.copy_stream)
-        for entry in self.entries.values():
-            entry.release_host()
         self.state = "loading"
 
     def ensure_loaded(self) -> None:
@@ -366,11 +413,14 @@ class SwapGroup:
 
     def _ensure_loaded(self) -> None:
         self._start_backward()
-        if self.state in ("forward", "copying", "kept", "loaded"):
-            return
+        if self.state not in ("host", "loading"):
+            return  # still on the device
         self.start_load()
-        self.manager.wait(self.load_event)
-        self.state = "loaded"
+        if self.state == "loading":
+            self.manager.wait(self.load_event)
+            self.state = "loaded"
+            for entry in self.entries.values():
+                entry.release_host()
 
     def _start_backward(self) -> None:
         """This group's backward begins: prefetch the previous group's tensors."""
@@ -382,6 +432,7 @@ class SwapGroup:
             previous.start_load()
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
+        saved.check_version()
         if saved.tensor is not None:
             if not self.backward_started:
                 with _quiet():
@@ -406,7 +457,10 @@ def current_group() -> SwapGroup | None:
 
 
 def _storage_keys(values: Any) -> set[int]:
-    return {v.untyped_storage()._cdata for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)}
+    return {
+        v.untyped_storage()._cdata for v in tree_flatten(values)[0]
+        if type(v) in (torch.Tensor, nn.Parameter) and v.layout is torch.strided and not v.is_nested
+    }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,3 +296,53 @@ class kv_cache_disabled:
     def __exit__(self, *exc: Any) -> None:
         for config, value in self.saved:
             config.use_cache = value
+
+
+# --- Swap tests (tests/test_swap.py) ---
+
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
+
+
+def hook_count(model: nn.Module) -> int:
+    """Module hooks of every kind on ``model`` and its sub-modules, plus instance ``forward``
+    overrides, plus the process-wide module hooks (0 for a model nothing is applied to)."""
+    from torch.nn.modules import module as module_globals
+
+    count = sum(len(getattr(m, name, None) or {}) for m in model.modules() for name in _HOOK_DICTS)
+    count += sum("forward" in m.__dict__ for m in model.modules())
+    global_dicts = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                    "_global_backward_pre_hooks")
+    return count + sum(len(getattr(module_globals, name, None) or {}) for name in global_dicts)
+
+
+def freed_storage_tensors() -> list[torch.Tensor]:
+    """Every live tensor whose storage is smaller than its view needs (resized away, e.g. by swap),
+    found by a full garbage-collector scan (about 0.3 s)."""
+    import gc
+
+    found = []
+    for obj in gc.get_objects():
+        if type(obj) not in (torch.Tensor, nn.Parameter) or obj.device.type == "meta" or not obj.numel():
+            continue
+        if obj.layout is not torch.strided or obj.is_nested:
+            continue
+        extent = obj.storage_offset() + sum((n - 1) * s for n, s in zip(obj.shape, obj.stride())) + 1
+        if obj.untyped_storage().nbytes() < extent * obj.element_size():
+            found.append(obj)
+    return found
+
+
+def saved_for_backward(fn: Callable[[], Any]) -> tuple[Any, list[torch.Tensor]]:
+    """Run ``fn`` and return (its result, every tensor autograd saved for backward meanwhile)."""
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return result, saved

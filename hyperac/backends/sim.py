@@ -2,8 +2,12 @@
 
 Tensors on the CPU play the device. A copy issued on a side stream does not happen when it is
 issued: it is queued on that stream and lands only when an event recorded after it is waited on
-(or the stream is synchronized). A missing wait therefore yields wrong numbers in a test, where on
-a GPU it would be a rare race. Tests and diagnostics only: ``backend="auto"`` never picks it.
+(or the stream is synchronized). It reads its source and writes its destination when it lands,
+and holds neither alive, as a GPU copy does not keep memory from the caching allocator: a source
+freed (or resized away) before the copy lands yields garbage bytes (all ones: NaN in floats), and a
+destination freed before it lands is a write into freed memory, recorded in the stream's
+``faults``. A missing wait therefore yields wrong numbers or a fault in a test, where on a GPU it
+would be a rare race. Tests and diagnostics only: ``backend="auto"`` never picks it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class SimStream:
         self.immediate = immediate
         self.pending: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
         self.issued = 0
+        self.faults: list[str] = []
 
     def enqueue(self, work: Callable[[], None]) -> None:
         if self.immediate:
@@ -49,6 +54,47 @@ class SimStream:
 
     def synchronize(self) -> None:
         self.run_until(self.issued)
+
+
+class _WeakView:
+    """A tensor's geometry and a weak reference to its storage: the view, rebuilt while the storage
+    is alive and still large enough."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.storage = weakref.ref(tensor.untyped_storage())
+        self.dtype, self.offset = tensor.dtype, tensor.storage_offset()
+        self.size, self.stride = tensor.size(), tensor.stride()
+        extent = self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride)) + 1
+        self.nbytes = extent * tensor.element_size() if tensor.numel() else 0
+
+    def get(self) -> torch.Tensor | None:
+        storage = self.storage()
+        if storage is None or storage.nbytes() < self.nbytes:
+            return None
+        view = torch.empty(0, dtype=self.dtype, device=storage.device)
+        return view.set_(storage, self.offset, self.size, self.stride)
+
+
+class _DeferredCopy:
+    """A copy queued on a side stream (see the module docstring for what it does when it lands)."""
+
+    def __init__(self, stream: SimStream, destination: torch.Tensor, source: torch.Tensor) -> None:
+        self.stream, self.destination, self.source = stream, _WeakView(destination), _WeakView(source)
+
+    def __call__(self) -> None:
+        destination = self.destination.get()
+        if destination is None:
+            self.stream.faults.append(
+                f"a copy of {self.source.nbytes} bytes landed in memory freed before it landed (a missing wait)"
+            )
+            return
+        source = self.source.get()
+        if source is not None:
+            destination.copy_(source)
+        elif destination.is_contiguous() and destination.numel():
+            destination.reshape(-1).view(torch.uint8).fill_(255)  # the freed memory's new contents
+        else:
+            destination.fill_(float("nan") if destination.is_floating_point() else -1)
 
 
 class SimEvent:
@@ -120,7 +166,11 @@ class SimBackend(Backend):
         return time.perf_counter() - start
 
     def copy_(self, destination: torch.Tensor, source: torch.Tensor) -> None:
-        _current.get().enqueue(lambda: destination.copy_(source))
+        stream = _current.get()
+        if stream.immediate:
+            destination.copy_(source)
+        else:
+            stream.enqueue(_DeferredCopy(stream, destination, source))
 
     def synchronize(self) -> None:
         """Land every copy queued on the streams this backend made."""

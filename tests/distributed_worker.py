@@ -1,0 +1,347 @@
+"""Multi-process scenarios for tests/test_distributed.py: FSDP2 and DDP on CPU with gloo.
+
+Run under torchrun (two ranks); rank 0 writes one JSON object with a result per case of
+:data:`CASES` (``python tests/distributed_worker.py --list`` prints their keys)::
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py OUT.json [fsdp] [ddp]
+
+Every case trains one step of a tiny model (2 layers, width 32, 16 tokens, 2 sequences per rank)
+and is compared with two references computed in the same processes: the un-applied model on the
+global batch in one process (``max_diff``: the largest absolute difference of the loss and of any
+full gradient, gathered with ``DTensor.full_tensor()`` under FSDP2), and the same parallel wrapper
+without hyperac (``bitwise``). A case that raises records ``error`` and the others still run (both
+ranks run the same code on the same model, so they fail alike).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import sys
+import traceback
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hyperac_testing import tiny_llama, tiny_qwen2_moe
+from torch import nn
+
+import hyperac
+
+SEQ, PER_RANK, WORLD = 16, 2, 2
+SIM_SWAP = dict(backend="sim", min_swap_bytes=0)  # tiny tensors: swap them all
+OPTIONS: dict[str, dict[str, Any] | None] = {
+    "off": None,  # the wrapper alone: the bitwise baseline of the other cases
+    "full": dict(mode="full"),
+    "selective": dict(mode="selective"),
+    "plan": dict(mode="off", layers={0: "full", 1: "selective"}),
+    "swap": dict(mode="swap", **SIM_SWAP),
+    "full_swap_inputs": dict(mode="full", swap_inputs=True, **SIM_SWAP),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    wrapper: str
+    """``fsdp`` (``fully_shard`` on each layer, then on the model) or ``ddp``."""
+    model: str
+    """``llama``, ``qwen2_moe`` or ``reused`` (a Llama running ``layers[0]`` twice)."""
+    variant: str
+    """A key of :data:`OPTIONS`, or one of those with a suffix naming what else differs."""
+    options: dict[str, Any] | None
+    order: str = "apply_first"
+    """``apply_first`` (hyperac, then the wrapper), ``shard_first`` / ``wrap_first`` (the other order)."""
+    find_unused: bool = False
+    static_graph: bool = False
+    reentrant: bool = False
+    """Instead of hyperac: torch's reentrant checkpoint around each layer (the failure hyperac avoids)."""
+    hf_recompute: bool = False
+    """Instead of hyperac: HF's ``activation_checkpointing_enable()`` (all-gather counts to compare)."""
+    expect_error: str | None = None
+
+    @property
+    def key(self) -> str:
+        suffix = f"/find_unused={self.find_unused}" if self.wrapper == "ddp" else ""
+        return f"{self.wrapper}/{self.model}/{self.variant}{suffix}"
+
+    @property
+    def baseline(self) -> str:
+        return dataclasses.replace(self, variant="off").key
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for model in ("llama", "qwen2_moe"):
+        cases += [Case("fsdp", model, name, options) for name, options in OPTIONS.items()]
+        cases += [Case("fsdp", model, f"{name}_shard_first", OPTIONS[name], order="shard_first")
+                  for name in ("full", "selective")]
+    cases.append(Case("fsdp", "llama", "hf_activation_checkpointing", None, hf_recompute=True))
+    double_use = "mark a variable ready only once"
+    for model in ("llama", "reused"):
+        for find_unused in (False, True):
+            cases += [Case("ddp", model, name, OPTIONS[name], find_unused=find_unused)
+                      for name in ("off", "full", "selective", "plan", "swap")]
+            cases.append(Case("ddp", model, "full_wrap_first", OPTIONS["full"], order="wrap_first",
+                              find_unused=find_unused))
+            # Reentrant recompute runs one backward per region: a parameter reached by two of them
+            # (a layer called twice), or any parameter once find_unused_parameters traverses the graph,
+            # is marked ready twice.
+            fails = model == "reused" or find_unused
+            cases.append(Case("ddp", model, "reentrant_checkpoint", None, find_unused=find_unused, reentrant=True,
+                              expect_error=double_use if fails else None))
+        cases.append(Case("ddp", model, "full_static_graph", OPTIONS["full"], static_graph=True))
+    return cases
+
+
+CASES = _cases()
+
+
+# --- models and references -----------------------------------------------------------------------
+
+
+def reused_llama() -> nn.Module:
+    """A tiny Llama whose decoder runs ``layers[0]`` twice: ``layers = [l0, l1, l0]``."""
+    model = tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64)
+    first, second = model.model.layers
+    model.model.layers = nn.ModuleList([first, second, first])
+    model.config.num_hidden_layers = 3
+    # With a KV cache the second call of layers[0] would attend to the keys its first call appended;
+    # train without one, as hyperac does, the reference included.
+    model.config.use_cache = False
+    return model
+
+
+def build(name: str) -> nn.Module:
+    if name == "llama":
+        return tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64)
+    if name == "qwen2_moe":
+        return tiny_qwen2_moe(num_layers=2)
+    if name == "reused":
+        return reused_llama()
+    raise ValueError(name)
+
+
+def distinct_layers(model: nn.Module) -> list[nn.Module]:
+    return list({id(m): m for m in model.model.layers}.values())
+
+
+def global_batch() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 128, (PER_RANK * WORLD, SEQ), generator=generator)
+
+
+def local_batch() -> torch.Tensor:
+    rank = dist.get_rank()
+    return global_batch()[rank * PER_RANK:(rank + 1) * PER_RANK]
+
+
+Step = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def reference(base: nn.Module) -> Step:
+    """One step of the un-applied model on the global batch, in this process alone."""
+    model = copy.deepcopy(base)
+    model.train()
+    torch.manual_seed(1)
+    ids = global_batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(result: Step, expected: Step) -> tuple[float, bool]:
+    """(largest absolute difference, bitwise equal) of loss and gradients."""
+    loss, grads = result
+    expected_loss, expected_grads = expected
+    if grads.keys() != expected_grads.keys():
+        different = sorted(set(expected_grads) ^ set(grads))
+        raise AssertionError(f"a different set of parameters got gradients: {different[:4]}")
+    diffs = [(loss - expected_loss).abs().max().item()]
+    equal = torch.equal(loss, expected_loss)
+    for name, grad in expected_grads.items():
+        diffs.append((grads[name] - grad).abs().max().item())
+        equal = equal and torch.equal(grads[name], grad)
+    return max(diffs), equal
+
+
+def averaged_loss(loss: torch.Tensor) -> torch.Tensor:
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def applied_summary(model: nn.Module, plan: hyperac.Plan | None) -> dict[str, Any]:
+    if plan is None:
+        return {}
+    stats = hyperac.swap_stats(model)
+    return {"plan": [[layer.fqn, layer.mode, layer.swap] for layer in plan.layers],
+            "offloaded_tensors": 0 if stats is None else stats.offloaded_tensors}
+
+
+# --- FSDP2 ---------------------------------------------------------------------------------------
+
+
+class GatherCounter:
+    """Counts FSDP2 all-gathers per sharded module, split into forward and backward.
+
+    Wraps ``FSDPParamGroup.unshard`` and counts the calls that start an all-gather (those that find
+    the parameters sharded and no all-gather pending).
+    """
+
+    def __init__(self) -> None:
+        self.phase = "forward"
+        self.counts = {"forward": collections.Counter(), "backward": collections.Counter()}
+
+    @contextlib.contextmanager
+    def installed(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        original = FSDPParamGroup.unshard
+
+        def unshard(group: Any, async_op: bool = False) -> None:
+            before = group._all_gather_result
+            original(group, async_op)
+            if before is None and group._all_gather_result is not None:
+                self.counts[self.phase][group._module_fqn or "<root>"] += 1
+
+        FSDPParamGroup.unshard = unshard
+        try:
+            yield self
+        finally:
+            FSDPParamGroup.unshard = original
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        return {phase: dict(sorted(counts.items())) for phase, counts in self.counts.items()}
+
+
+def run_fsdp(case: Case, base: nn.Module) -> tuple[Step, dict[str, Any]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = copy.deepcopy(base)
+    if case.hf_recompute:
+        model.activation_checkpointing_enable()
+    plan = None
+    if case.options is not None and case.order == "apply_first":
+        plan = hyperac.apply(model, **case.options)
+    for layer in distinct_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if case.options is not None and case.order == "shard_first":
+        plan = hyperac.apply(model, **case.options)  # the layers' classes are FSDP<Layer> by now
+    model.train()
+    torch.manual_seed(1)
+    ids = local_batch()
+    with GatherCounter().installed() as gathers:
+        loss = model(input_ids=ids, labels=ids).loss
+        gathers.phase = "backward"
+        loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    info = {
+        "gathers": gathers.summary(),
+        "layer_classes": sorted({type(layer).__name__ for layer in distinct_layers(model)}),
+        "sharded": all(isinstance(layer, FSDPModule) for layer in distinct_layers(model)),
+        **applied_summary(model, plan),
+    }
+    if plan is not None:
+        hyperac.remove(model)
+        info["forward_restored"] = all("forward" not in m.__dict__ for m in model.modules())
+    return (averaged_loss(loss), grads), info
+
+
+# --- DDP -----------------------------------------------------------------------------------------
+
+
+def reentrant_recompute(model: nn.Module) -> None:
+    """Wrap each distinct layer's forward in torch's reentrant checkpoint (``use_reentrant=True``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model.config.use_cache = False  # a replay must not see the keys its forward appended to a KV cache
+    for layer in distinct_layers(model):
+        def forward(self, *args, _original=layer.forward, **kwargs):
+            return checkpoint(functools.partial(_original, **kwargs), *args, use_reentrant=True)
+
+        layer.forward = types.MethodType(forward, layer)
+
+
+def run_ddp(case: Case, base: nn.Module) -> tuple[Step, dict[str, Any]]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = copy.deepcopy(base)
+    plan = None
+    if case.options is not None and case.order == "apply_first":
+        plan = hyperac.apply(model, **case.options)
+    if case.reentrant:
+        reentrant_recompute(model)
+    ddp = DistributedDataParallel(model, find_unused_parameters=case.find_unused, static_graph=case.static_graph)
+    if case.options is not None and case.order == "wrap_first":
+        plan = hyperac.apply(ddp.module, **case.options)
+    ddp.train()
+    ids = local_batch()
+    for _ in range(2 if case.static_graph else 1):  # static_graph records the graph in its first step
+        ddp.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (averaged_loss(loss), grads), applied_summary(model, plan)
+
+
+# --- driver --------------------------------------------------------------------------------------
+
+
+def run_cases(cases: list[Case]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    steps: dict[str, Step] = {}
+    references: dict[str, Step] = {}
+    bases: dict[str, nn.Module] = {}
+    for case in cases:
+        if case.model not in bases:
+            bases[case.model] = build(case.model)
+            references[case.model] = reference(bases[case.model])
+        run = run_fsdp if case.wrapper == "fsdp" else run_ddp
+        try:
+            step, info = run(case, bases[case.model])
+        except Exception as error:  # recorded; the test reports it
+            dist.barrier()
+            results[case.key] = {"error": f"{type(error).__name__}: {error}",
+                                 "traceback": traceback.format_exc()[-4000:]}
+            continue
+        steps[case.key] = step
+        info["max_diff"], _ = compare(step, references[case.model])
+        if case.baseline in steps and case.key != case.baseline:
+            info["bitwise"] = compare(step, steps[case.baseline])[1]
+        info["loss"] = step[0].item()
+        results[case.key] = info
+    return results
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--list"]:
+        print("\n".join(case.key for case in CASES))
+        return
+    output, groups = sys.argv[1], set(sys.argv[2:] or ("fsdp", "ddp"))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        if dist.get_world_size() != WORLD:
+            raise SystemExit(f"run with --nproc_per_node={WORLD}")
+        results = run_cases([case for case in CASES if case.wrapper in groups])
+        if dist.get_rank() == 0:
+            with open(output + ".tmp", "w") as handle:
+                json.dump(results, handle, indent=1, sort_keys=True)
+            os.replace(output + ".tmp", output)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The ``hyperac`` command line: ``demo`` and ``plan``, and its error paths.
+
+The slow commands run once each, as real processes started together (module fixture ``runs``);
+the error paths run through :func:`hyperac.cli.main` in this process (transformers is imported
+once), and a few of them also as processes, for the exit status and stderr of the real entry points.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hyperac import cli
+
+MODULE = [sys.executable, "-m", "hyperac.cli"]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+TINY_LLAMA = dict(
+    model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
+)
+PLAN_ROW = r"^\s*{index}\s+model\.layers\.{index}\s+(off|pointwise|selective|full)\s*$"
+
+
+def installed_script():
+    """The ``hyperac`` console script next to this interpreter, else ``python -m hyperac.cli``."""
+    script = shutil.which("hyperac", path=str(pathlib.Path(sys.executable).parent))
+    return [script] if script else MODULE
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (folder / "no_type.json").write_text(json.dumps({k: v for k, v in TINY_LLAMA.items() if k != "model_type"}))
+    (folder / "unknown_type.json").write_text(json.dumps({**TINY_LLAMA, "model_type": "no-such-model"}))
+    (folder / "not_json.json").write_text("model_type: llama\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(files):
+    """Every command below, started at once (two cores), as ``{name: (exit code, stdout, stderr)}``."""
+    commands = {
+        "demo": [*MODULE, "demo", "--steps", "1", "--layers", "2", "--hidden", "64", "--seq", "32",
+                 *(["--plot", str(files / "out.png")] if HAS_MATPLOTLIB else [])],
+        "preset": [*MODULE, "plan", "--preset", "llama-3-8b", "--seq", "512", "--budget", "0.5"],
+        "config": [*installed_script(), "plan", "--config", str(files / "config.json"), "--seq", "64",
+                   "--budget", "0.7"],
+        "unknown_preset": [*installed_script(), "plan", "--preset", "llama-9", "--budget", "0.5"],
+        "no_budget": [*MODULE, "plan", "--preset", "llama-3-8b"],
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = {}
+    for name, command in commands.items():
+        out, err = open(files / f"{name}.out", "w+"), open(files / f"{name}.err", "w+")
+        started[name] = (subprocess.Popen(command, stdout=out, stderr=err, cwd=files, env=env, text=True), out, err)
+    results = {}
+    for name, (process, out, err) in started.items():
+        try:
+            code = process.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        out.seek(0), err.seek(0)
+        results[name] = (code, out.read(), err.read())
+        out.close(), err.close()
+    return results
+
+
+def assert_one_error_line(code, stderr, pattern, clean=True):
+    """Exit status 2; exactly one stderr line starts with 'hyperac:', it is the last one and matches
+    ``pattern``; no traceback. ``clean``: nothing else on stderr."""
+    lines = stderr.strip().splitlines()
+    assert code == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in lines if line.startswith("hyperac:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], stderr
+    assert re.search(pattern, errors[0]), errors[0]
+    if clean:
+        assert lines == errors, stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# hyperac demo
+
+
+def test_demo_prints_the_comparison_table(runs):
+    code, stdout, stderr = runs["demo"]
+    assert code == 0, stdout + stderr
+    assert "hyperac demo: tiny Llama, 2 layers, hidden 64, batch 2 x seq 32" in stdout
+    assert "loss+grads == off" in stdout
+    rows = {}
+    for label in ("off", "full", "selective", "auto 50%"):
+        found = re.search(rf"^{re.escape(label)}\s+([\d.]+)\s+(-?[\d.]+)%\s+([\d.]+)\s+(\S+)\s*$", stdout, re.M)
+        assert found, f"no row {label!r} in\n{stdout}"
+        rows[label] = (float(found.group(1)), float(found.group(2)), found.group(4))
+    assert all(matches == "yes" for _, _, matches in rows.values()), stdout
+    assert rows["off"][1] == 0.0
+    assert rows["full"][1] > rows["selective"][1] > 0
+    assert rows["off"][0] > rows["selective"][0] > rows["full"][0] > 0
+    assert rows["auto 50%"][0] <= 0.51 * rows["off"][0]  # auto fits half of off's activations
+    assert "[4/4] auto" in stderr
+
+
+def test_demo_emits_no_planner_warning(runs):
+    code, _, stderr = runs["demo"]
+    assert code == 0
+    assert "HyperACWarning" not in stderr, stderr
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_demo_plot(runs, files):
+    code, stdout, stderr = runs["demo"]
+    assert code == 0, stderr
+    image = files / "out.png"
+    assert f"wrote {image}" in stdout
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# hyperac plan
+
+
+def check_plan_output(stdout, layers):
+    for index in range(layers):
+        assert re.search(PLAN_ROW.format(index=index), stdout, re.M), f"no plan row for layer {index}\n{stdout}"
+    assert re.search(rf"^\s*{layers}\s+model\.layers\.{layers}\s", stdout, re.M) is None
+    for mode in ("off", "pointwise", "selective", "full"):
+        assert f"all {mode}" in stdout  # the estimate table
+    assert re.search(r"^plan for a budget of [\d.]+ GiB:$", stdout, re.M), stdout
+    predicted = re.search(r"^predicted: ([\d.]+) GiB kept for backward \(no recompute: ([\d.]+) GiB\), "
+                          r"([\d.]+) TFLOP replayed per step \(([\d.]+)% of the step\)$", stdout, re.M)
+    assert predicted, stdout
+    return [float(value) for value in predicted.groups()]
+
+
+def test_plan_preset(runs):
+    code, stdout, stderr = runs["preset"]
+    assert code == 0, stderr
+    assert "estimating llama, 32 layers, batch 1 x seq 512, bfloat16, on the meta device" in stderr
+    kept, off, _, _ = check_plan_output(stdout, 32)
+    budget = float(re.search(r"plan for a budget of ([\d.]+) GiB", stdout).group(1))
+    assert kept <= budget + 0.01 and budget == pytest.approx(0.5 * off, abs=0.01)
+
+
+def table_total(stdout, mode):
+    return float(re.search(rf"^all {mode}\s+([\d.]+) MiB kept", stdout, re.M).group(1))
+
+
+def test_plan_preset_half_budget_is_feasible(runs):
+    code, stdout, _ = runs["preset"]
+    assert code == 0
+    assert table_total(stdout, "full") < 0.5 * table_total(stdout, "off")
+
+
+def test_plan_local_config(runs):
+    code, stdout, stderr = runs["config"]
+    assert code == 0, stderr
+    assert "estimating llama, 2 layers, batch 1 x seq 64" in stderr
+    check_plan_output(stdout, 2)
+    modes = [re.search(PLAN_ROW.format(index=i), stdout, re.M).group(1) for i in range(2)]
+    assert modes != ["off", "off"]  # 70% of off needs some recompute
+    assert table_total(stdout, "full") < table_total(stdout, "off")
+
+
+# ---------------------------------------------------------------------------------------------
+# error paths
+
+
+def test_error_paths_as_processes(runs):
+    code, _, stderr = runs["unknown_preset"]  # through the installed `hyperac` script
+    assert_one_error_line(code, stderr, r"^hyperac: unknown preset 'llama-9'; choose one of .*llama-3-8b")
+    code, stdout, stderr = runs["no_budget"]
+    assert code == 2 and stdout == ""
+    assert "the following arguments are required: --budget" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    "argv, pattern",
+    [
+        (["--preset", "llama-9", "--budget", "0.5"], r"unknown preset 'llama-9'"),
+        (["--config", "{missing}", "--budget", "0.5"], r"cannot read config file .*missing\.json"),
+        (["--config", "{no_type}", "--budget", "0.5"], r"has no 'model_type'"),
+        (["--config", "{not_json}", "--budget", "0.5"], r"is not JSON"),
+        (["--config", "{unknown_type}", "--budget", "0.5"], r"cannot build a config for model_type 'no-such-model'"),
+        (["--config", "{config}", "--budget", "lots"], r"Config\.budget must be .*'lots'"),
+        (["--config", "{config}", "--budget", "0"], r"Config\.budget must be .*0\.0"),
+        (["--config", "{config}", "--budget", "2.5"], r"Config\.budget must be .*2\.5"),
+        (["--config", "{config}", "--budget", "-1"], r"Config\.budget must be"),
+        (["--config", "{config}", "--budget", "nan"], r"Config\.budget must be"),
+        (["--config", "{config}", "--budget", "0GiB"], r"Config\.budget must be .*'0GiB'"),
+        (["--preset", "llama-3-8b", "--budget", "lots"], r"Config\.budget must be"),  # before the estimate
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else None,
+)
+def test_error_paths(files, capsys, argv, pattern):
+    paths = {name: str(files / f"{name}.json") for name in ("config", "no_type", "not_json", "unknown_type",
+                                                             "missing")}
+    code = cli.main(["plan", *(arg.format(**paths) for arg in argv)])
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert_one_error_line(code, captured.err, "^hyperac: .*" + pattern)
+
+
+def test_budget_below_the_floor(files, capsys):
+    code = cli.main(["plan", "--config", str(files / "config.json"), "--seq", "64", "--budget", "1KiB"])
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    # The estimate runs first and says so on stderr; the error is the one 'hyperac:' line, last.
+    assert_one_error_line(code, captured.err, r"^hyperac: budget of 1024 bytes .* below the smallest plan",
+                          clean=False)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["plan", "--preset", "llama-3-8b"], ["plan", "--budget", "0.5"],
+     ["plan", "--preset", "llama-3-8b", "--config", "c.json", "--budget", "0.5"],
+     ["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--dtype", "int8"], ["demo", "--steps", "x"],
+     ["frobnicate"]],
+    ids=" ".join,
+)
+def test_argparse_misuse_exits_2(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "usage: hyperac" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [("0.5", 0.5), ("1", 1.0), ("2048", 2048), ("1e9", 10**9),
+                                            ("24GiB", "24GiB"), ("2.5", 2.5), ("0", 0.0)])
+def test_budget_argument(text, expected):
+    value = cli._parse_budget_argument(text)
+    assert value == expected and type(value) is type(expected)

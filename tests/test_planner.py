@@ -1,0 +1,649 @@
+"""The planner: per-layer cost estimates, ``mode="auto"`` under a byte budget, plans as data.
+
+Known answers on synthetic estimates and on a 3-layer Llama (every one of the 4^3 plans enumerated
+against :func:`choose_modes`), estimates checked against measured steps (Llama, Qwen2-MoE, GPT-2),
+auto plans that fit their budget with bitwise gradients, the first-step verification, JSON round
+trips of plans, and estimating a large geometry on the ``meta`` device without allocating it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import re
+import resource
+import warnings
+
+import pytest
+import torch
+from hyperac_testing import (
+    applied_copy,
+    assert_parity,
+    kv_cache_disabled,
+    measure,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_qwen2_moe,
+    train_step,
+)
+
+import hyperac
+from hyperac import ConfigError, HyperACWarning
+from hyperac.measure import measure_step
+from hyperac.planner import ESTIMATE_MODES, Estimate, LayerEstimate, choose_modes, parse_budget
+
+UNIFORM = ("off", "pointwise", "selective", "full")
+AUTO_BUDGETS = (0.5, 0.65, 0.75, 0.9)
+
+
+def lm_sample(batch=2, seq=32, vocab=128, seed=0):
+    """``(sample dict for mode='auto'/estimate, loss_fn running the same batch)``."""
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}, lambda model: model(input_ids=ids, labels=ids).loss
+
+
+def reference_step(model, loss_fn):
+    """One step of an un-applied copy with the KV cache off, as ``apply`` runs the model (GPT-2's
+    cache changes float32 bits; see test_models.Family.cache_changes_bits)."""
+    clone = copy.deepcopy(model)
+    with kv_cache_disabled(clone):
+        return train_step(clone, loss_fn)
+
+
+def hyperac_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, HyperACWarning)]
+
+
+def instance_forwards(model):
+    return [name for name, m in model.named_modules() if "forward" in m.__dict__]
+
+
+def brute_force(estimate, budget):
+    """The fewest replayed FLOPs of any plan within ``budget`` (None: nothing fits)."""
+    fitting = [
+        estimate.total_recompute_flops(plan)
+        for plan in itertools.product(ESTIMATE_MODES, repeat=len(estimate.layers))
+        if estimate.total_bytes(plan) <= budget
+    ]
+    return min(fitting, default=None)
+
+
+def interesting_budgets(estimate):
+    """Every plan's exact byte total, one byte either side of it, and midpoints between totals."""
+    totals = sorted({estimate.total_bytes(p) for p in itertools.product(ESTIMATE_MODES, repeat=len(estimate.layers))})
+    budgets = {b for t in totals for b in (t - 1, t, t + 1)}
+    budgets |= {(a + b) // 2 for a, b in zip(totals, totals[1:])}
+    return sorted(budgets)
+
+
+def synthetic(layers, outside=50):
+    """An Estimate from ``[(off, pointwise, selective, full) bytes, (selective, full) flops]``."""
+    return Estimate(
+        tuple(
+            LayerEstimate(
+                index=i, fqn=f"layers.{i}", kept_bytes=dict(zip(UNIFORM, kept)),
+                recompute_flops={"off": 0, "pointwise": 0, "selective": flops[0], "full": flops[1]},
+                swap_bytes=kept[0],
+            )
+            for i, (kept, flops) in enumerate(layers)
+        ),
+        outside_bytes=outside,
+        base_flops=10_000,
+    )
+
+
+# Three different layers: which layer to recompute, and how, matters.
+SYNTHETIC = synthetic([
+    ((1000, 700, 500, 100), (300, 1000)),
+    ((2000, 1900, 800, 200), (500, 900)),
+    ((1500, 1000, 600, 300), (200, 1200)),
+])
+# Byte counts without a useful common divisor, large enough that the DP must round.
+COPRIME = synthetic([
+    ((1_000_003, 700_001, 500_009, 100_003), (300, 1000)),
+    ((2_000_029, 1_900_037, 800_011, 200_003), (500, 900)),
+    ((1_500_007, 1_000_033, 600_011, 300_007), (200, 1200)),
+], outside=4_999)
+
+
+# ---------------------------------------------------------------------------------------------
+# shared fixtures
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    return tiny_llama(num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def llama_batch():
+    return lm_sample()
+
+
+@pytest.fixture(scope="module")
+def llama_estimate(llama3, llama_batch):
+    return hyperac.estimate(llama3, llama_batch[0], backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def llama_reference(llama3, llama_batch):
+    return reference_step(llama3, llama_batch[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# choose_modes: known answers and brute force
+
+
+@pytest.mark.parametrize("which", ["synthetic", "llama"])
+def test_choose_modes_known_answers(which, request):
+    estimate = SYNTHETIC if which == "synthetic" else request.getfixturevalue("llama_estimate")
+    count = len(estimate.layers)
+    off = estimate.total_bytes(["off"] * count)
+    floor = estimate.total_bytes(["full"] * count)
+    assert choose_modes(estimate, off) == ["off"] * count  # a budget equal to off keeps everything
+    assert choose_modes(estimate, 10 * off) == ["off"] * count
+    assert choose_modes(estimate, floor) == ["full"] * count  # the floor recomputes everything
+    if which == "synthetic":
+        # One byte under off: some layer goes pointwise, still without replaying anything.
+        modes = choose_modes(estimate, off - 1)
+        assert "pointwise" in modes and estimate.total_recompute_flops(modes) == 0
+        # 400 bytes above the floor: layer 2 selective (+300 bytes, saves 1000 FLOPs) beats
+        # layer 0 selective (+400 bytes, saves 700).
+        assert choose_modes(estimate, floor + 400) == ["full", "full", "selective"]
+        # 700 bytes above: both.
+        assert choose_modes(estimate, floor + 700) == ["selective", "full", "selective"]
+
+
+@pytest.mark.parametrize("which", ["synthetic", "llama"])
+def test_choose_modes_matches_brute_force_over_all_plans(which, request):
+    estimate = SYNTHETIC if which == "synthetic" else request.getfixturevalue("llama_estimate")
+    floor = estimate.total_bytes(["full"] * len(estimate.layers))
+    checked = 0
+    for budget in interesting_budgets(estimate):
+        best = brute_force(estimate, budget)
+        if best is None:
+            assert budget < floor
+            with pytest.raises(ConfigError, match="below the smallest plan"):
+                choose_modes(estimate, budget)
+            continue
+        modes = choose_modes(estimate, budget)
+        assert len(modes) == len(estimate.layers) and set(modes) <= set(ESTIMATE_MODES)
+        assert estimate.total_bytes(modes) <= budget, (budget, modes)
+        assert estimate.total_recompute_flops(modes) == best, (budget, modes)
+        checked += 1
+    assert checked >= 40  # 4^3 plans: many distinct totals
+
+
+def test_choose_modes_rounds_conservatively_when_the_grid_is_coarse():
+    """Byte counts with no common divisor: the DP rounds each layer's bytes up to a grid unit, so
+    a plan never exceeds the budget, and it is at least as good as the best plan with one unit per
+    layer less."""
+    estimate = COPRIME
+    layers = len(estimate.layers)
+    for budget in interesting_budgets(estimate)[::2]:
+        if brute_force(estimate, budget) is None:
+            continue
+        for grid in (16, 4096, 1 << 16):
+            modes = choose_modes(estimate, budget, grid=grid)
+            assert estimate.total_bytes(modes) <= budget, (budget, grid, modes)
+            unit = -(-(budget - estimate.outside_bytes) // grid)
+            margin = brute_force(estimate, budget - layers * unit)
+            if margin is not None:
+                assert estimate.total_recompute_flops(modes) <= margin, (budget, grid, modes)
+
+
+@pytest.mark.parametrize("which", ["synthetic", "llama"])
+def test_choose_modes_below_the_floor_raises(which, request):
+    estimate = SYNTHETIC if which == "synthetic" else request.getfixturevalue("llama_estimate")
+    floor = estimate.total_bytes(["full"] * len(estimate.layers))
+    for budget in (floor - 1, estimate.outside_bytes, estimate.outside_bytes - 1, 0, -5):
+        with pytest.raises(ConfigError, match=rf"below the smallest plan: {floor} bytes"):
+            choose_modes(estimate, budget)
+
+
+# ---------------------------------------------------------------------------------------------
+# parse_budget
+
+
+@pytest.mark.parametrize(
+    "budget, off, expected",
+    [
+        (1, None, 1),
+        (123_456, None, 123_456),
+        (123_456, 1000, 123_456),  # bytes stay bytes when off is known
+        ("24GiB", None, 24 * 2**30),
+        ("512MB", None, 512 * 10**6),
+        ("1.5GiB", None, int(1.5 * 2**30)),
+        ("2048", None, 2048),
+        (" 3 kib ", None, 3 * 1024),
+        ("7TB", None, 7 * 10**12),
+        (0.5, 1000, 500),
+        (1.0, 1000, 1000),
+        (0.001, 10**6, 1000),
+        (0.5, None, -1),  # a fraction needs the no-recompute bytes: Config only validates it
+    ],
+)
+def test_parse_budget_accepts(budget, off, expected):
+    assert parse_budget(budget, off) == expected
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [True, False, -1, -0.5, 0, 0.0, 1.5, 2.0, float("nan"), float("inf"), "lots", "", "-1GiB", "24 GiBs",
+     "0", "0GiB", "0.0001", None, [1], "1.5.2GiB"],
+    ids=repr,
+)
+def test_parse_budget_rejects(budget):
+    with pytest.raises(ConfigError, match="Config.budget must be"):
+        parse_budget(budget, 1000)
+
+
+# ---------------------------------------------------------------------------------------------
+# estimates against measured steps
+
+
+MODELS = {"llama": tiny_llama, "qwen2_moe": tiny_qwen2_moe, "gpt2": tiny_gpt2}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def measured(request):
+    """Per family: the estimate, and the measured (bytes, FLOPs) of one step in each uniform mode."""
+    model = MODELS[request.param](num_layers=3)
+    sample, loss_fn = lm_sample()
+    estimate = hyperac.estimate(model, sample, backend="cpu")
+    steps = {}
+    for mode in UNIFORM:
+        clone, plan = applied_copy(model, mode=mode, backend="cpu")
+        assert [layer.mode for layer in plan.layers] == [mode] * 3
+        steps[mode] = measure(clone, loss_fn)
+    return request.param, model, loss_fn, estimate, steps
+
+
+def test_estimate_matches_measurement_in_every_mode(measured):
+    name, _, _, estimate, steps = measured
+    assert len(estimate.layers) == 3
+    off_flops = steps["off"][1]
+    assert estimate.base_flops == pytest.approx(off_flops, rel=0.05)
+    for mode in UNIFORM:
+        modes = [mode] * 3
+        measured_bytes, flops = steps[mode]
+        assert estimate.total_bytes(modes) == pytest.approx(measured_bytes, rel=0.05), (name, mode)
+        recompute = flops - off_flops
+        assert estimate.total_recompute_flops(modes) == pytest.approx(recompute, rel=0.05, abs=1), (name, mode)
+    for layer in estimate.layers:
+        assert layer.swap_bytes == layer.kept_bytes["off"] > 0
+        assert layer.recompute_flops["off"] == 0
+        assert 0 < layer.recompute_flops["selective"] < layer.recompute_flops["full"]
+    assert json.loads(json.dumps(estimate.to_dict()))["outside_bytes"] == estimate.outside_bytes
+    text = str(estimate)
+    assert all(f"all {mode}" in text for mode in UNIFORM) and estimate.layers[0].fqn in text
+
+
+def test_pointwise_replays_no_matmul_and_sits_between_off_and_full(measured):
+    name, model, loss_fn, estimate, steps = measured
+    # FlopCounter counts matmuls and attention only: pointwise replays neither.
+    assert steps["pointwise"][1] == steps["off"][1], name
+    assert all(layer.recompute_flops["pointwise"] == 0 for layer in estimate.layers)
+    assert estimate.total_recompute_flops(["pointwise"] * 3) == 0
+    assert steps["off"][0] > steps["pointwise"][0] > steps["selective"][0] > steps["full"][0], (name, steps)
+    for layer in estimate.layers:
+        kept = layer.kept_bytes
+        assert kept["off"] > kept["pointwise"] > kept["selective"] > kept["full"] > 0, (name, kept)
+    reference = reference_step(model, loss_fn)
+    clone, _ = applied_copy(model, mode="pointwise", backend="cpu")
+    assert_parity(reference, train_step(clone, loss_fn))
+
+
+def test_full_recompute_keeps_about_the_layer_input_not_the_weights(llama_estimate):
+    input_bytes = 2 * 32 * 64 * 4  # batch x seq x hidden, float32
+    weight_bytes = sum(p.numel() * 4 for p in tiny_llama(num_layers=1).model.layers[0].parameters())
+    assert weight_bytes > 4 * input_bytes
+    for layer in llama_estimate.layers:
+        assert layer.kept_bytes["full"] < 2 * input_bytes, layer.kept_bytes
+
+
+def test_activation_meter_does_not_count_parameters():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 256, bias=False)
+    x = torch.randn(2, 256)
+    activation_bytes, _ = measure_step(linear, lambda m: m(x).sum())
+    assert activation_bytes < linear.weight.numel() * 4 // 2
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate leaves the model as it was
+
+
+def model_state(model):
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "hooks": {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()},
+        "use_cache": model.config.use_cache,
+        "config": model.config.to_dict(),
+    }
+
+
+def assert_same_state(model, before):
+    after = model_state(model)
+    assert after["params"].keys() == before["params"].keys()
+    assert all(torch.equal(after["params"][n], p) for n, p in before["params"].items())
+    assert all(torch.equal(after["buffers"][n], b) for n, b in before["buffers"].items())
+    for key in ("training", "hooks", "use_cache", "config"):
+        assert after[key] == before[key], key
+    assert instance_forwards(model) == []
+    assert hyperac.applied_plan(model) is None
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_estimate_leaves_model_without_grads_as_it_was(training):
+    model = tiny_gpt2(num_layers=2)  # dropout on: the estimate draws random numbers
+    model.train(training)
+    assert model.config.use_cache is True
+    sample, _ = lm_sample()
+    before = model_state(model)
+    torch.manual_seed(1234)
+    rng = torch.get_rng_state()
+    estimate = hyperac.estimate(model, sample, backend="cpu")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    assert_same_state(model, before)
+    assert len(estimate.layers) == 2
+    hyperac.apply(model, mode="full", backend="cpu")  # and nothing is left applied
+    hyperac.remove(model)
+
+
+def test_estimate_leaves_existing_grads_unchanged():
+    model = tiny_llama(num_layers=2)
+    sample, loss_fn = lm_sample()
+    train_step(model, loss_fn)  # real gradients, e.g. in the middle of gradient accumulation
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    values = {n: g.clone() for n, g in grads.items()}
+    before = model_state(model)
+    hyperac.estimate(model, sample, backend="cpu")
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is grads[name]
+        assert torch.equal(parameter.grad, values[name]), f"estimate changed the gradient of {name}"
+    assert_same_state(model, before)
+
+
+def test_estimate_refuses_per_layer_modes_and_applied_models(llama_batch):
+    model = tiny_llama(num_layers=2)
+    with pytest.raises(ConfigError, match="container paths"):
+        hyperac.estimate(model, llama_batch[0], backend="cpu", layers={0: "full"})
+    hyperac.apply(model, mode="full", backend="cpu")
+    with pytest.raises(ConfigError, match="already applied"):
+        hyperac.estimate(model, llama_batch[0], backend="cpu")
+    hyperac.remove(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# mode="auto"
+
+
+@pytest.mark.parametrize("budget", AUTO_BUDGETS)
+def test_auto_plan_fits_budget_with_bitwise_gradients(llama3, llama_batch, llama_estimate, llama_reference, budget):
+    sample, loss_fn = llama_batch
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model, plan = applied_copy(llama3, mode="auto", budget=budget, sample=sample, backend="cpu")
+        assert model._forward_pre_hooks and model._forward_hooks  # the one-shot verification
+        first = train_step(model, loss_fn)  # verified step: same batch as the sample, so no warning
+    assert hyperac_warnings(record) == []
+    assert not model._forward_pre_hooks and not model._forward_hooks  # removed after the first step
+    assert_parity(llama_reference, first)
+
+    count = len(llama_estimate.layers)
+    off = llama_estimate.total_bytes(["off"] * count)
+    modes = [layer.mode for layer in plan.layers]
+    assert plan.budget_bytes == parse_budget(budget, off) == int(budget * off)
+    assert modes == choose_modes(llama_estimate, plan.budget_bytes)
+    assert plan.predicted_bytes == llama_estimate.total_bytes(modes) <= plan.budget_bytes
+    assert plan.predicted_recompute_flops == llama_estimate.total_recompute_flops(modes)
+    assert "predicted:" in str(plan)
+
+    activation_bytes, flops = measure(model, loss_fn)
+    assert activation_bytes <= plan.budget_bytes * 1.02
+    assert activation_bytes == pytest.approx(plan.predicted_bytes, rel=0.05)
+    off_flops = llama_estimate.base_flops
+    assert flops - off_flops == pytest.approx(plan.predicted_recompute_flops, rel=0.05, abs=1)
+    assert_parity(llama_reference, train_step(model, loss_fn))
+    if budget < 0.9:
+        assert set(modes) != {"off"}
+
+
+def test_auto_plan_on_a_moe_fits_and_matches_measurement():
+    model = tiny_qwen2_moe(num_layers=3)
+    sample, loss_fn = lm_sample()
+    reference = reference_step(model, loss_fn)
+    clone, plan = applied_copy(model, mode="auto", budget=0.6, sample=sample, backend="cpu")
+    assert_parity(reference, train_step(clone, loss_fn))
+    activation_bytes, _ = measure(clone, loss_fn)
+    assert activation_bytes <= plan.budget_bytes * 1.02
+    assert activation_bytes == pytest.approx(plan.predicted_bytes, rel=0.05)
+
+
+def test_auto_keeps_existing_grads_and_rng():
+    model = tiny_llama(num_layers=2)
+    sample, loss_fn = lm_sample()
+    train_step(model, loss_fn)
+    values = {n: p.grad.clone() for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    hyperac.apply(model, mode="auto", budget=0.7, sample=sample, backend="cpu")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(p.grad, values[n]) for n, p in model.named_parameters())
+    hyperac.remove(model)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(mode="auto"), "needs budget= and sample="),
+        (dict(mode="auto", budget=0.5), "needs budget= and sample="),
+        (dict(mode="auto", sample="SAMPLE"), "needs budget= and sample="),
+        (dict(mode="full", budget=0.5), "only applies to mode='auto'"),
+        (dict(mode="selective", budget="24GiB", sample="SAMPLE"), "only applies to mode='auto'"),
+        (dict(budget=0.5), "only applies to mode='auto'"),
+        (dict(mode="auto", budget=0.5, sample="SAMPLE", layers={0: "full"}), "no per-layer modes"),
+        (dict(mode="auto", budget=0.5, sample="SAMPLE", layers={"0-1": "off"}), "no per-layer modes"),
+        (dict(mode="auto", budget="lots", sample="SAMPLE"), "Config.budget must be"),
+        (dict(mode="auto", budget=1.5, sample="SAMPLE"), "Config.budget must be"),
+        (dict(mode="auto", budget=True, sample="SAMPLE"), "Config.budget must be"),
+        (dict(mode="auto", budget=0.5, sample=[1, 2]), "Config.sample must be"),
+        (dict(mode="full", plan="not a plan"), "Config.plan must be"),
+        (dict(mode="full", plan={"layers": []}), "not a plan dict"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_auto_option_errors(llama_batch, options, message):
+    options = {k: (llama_batch[0] if v == "SAMPLE" else v) for k, v in options.items()}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        hyperac.Config(**options)
+    model = tiny_llama(num_layers=2)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        hyperac.apply(model, backend="cpu", **options)
+    assert hyperac.applied_plan(model) is None and instance_forwards(model) == []
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_auto_refuses_per_layer_modes_under_a_container(llama_batch):
+    with pytest.raises(ConfigError, match="no per-layer modes"):
+        hyperac.Config(mode="auto", budget=0.5, sample=llama_batch[0], layers={"model.layers": {0: "full"}})
+
+
+def test_auto_budget_below_the_floor_fails_atomically(llama3, llama_batch, llama_estimate):
+    model = copy.deepcopy(llama3)
+    floor = llama_estimate.total_bytes(["full"] * 3)
+    with pytest.raises(ConfigError, match="below the smallest plan"):
+        hyperac.apply(model, mode="auto", budget=floor - 1, sample=llama_batch[0], backend="cpu")
+    assert hyperac.applied_plan(model) is None and instance_forwards(model) == []
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert model.config.use_cache is True
+    plan = hyperac.apply(model, mode="auto", budget=floor, sample=llama_batch[0], backend="cpu")
+    assert [layer.mode for layer in plan.layers] == ["full"] * 3
+    hyperac.remove(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# plans as data
+
+
+def test_plan_round_trips_through_json(llama3, llama_batch, llama_estimate):
+    sample, loss_fn = llama_batch
+    # A budget (in bytes) whose plan mixes modes makes the round trip meaningful.
+    budget = next(b for b in interesting_budgets(llama_estimate)
+                  if brute_force(llama_estimate, b) is not None and len(set(choose_modes(llama_estimate, b))) > 1)
+    model, plan = applied_copy(llama3, mode="auto", budget=budget, sample=sample, backend="cpu")
+    modes = [layer.mode for layer in plan.layers]
+    assert modes == choose_modes(llama_estimate, budget) and len(set(modes)) > 1, modes
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert hyperac.Plan.from_dict(data) == plan
+    assert data["predicted_bytes"] == plan.predicted_bytes and data["budget_bytes"] == plan.budget_bytes
+
+    other = copy.deepcopy(llama3)
+    replayed = hyperac.apply(other, plan=data, backend="cpu")
+    assert [layer.mode for layer in replayed.layers] == modes
+    assert [layer.fqn for layer in replayed.layers] == [layer.fqn for layer in plan.layers]
+    assert replayed.predicted_bytes is None  # applying a plan re-profiles nothing
+    assert not other._forward_hooks and not other._forward_pre_hooks  # nor verifies
+    with warnings.catch_warnings():  # model's first step is verified; other's is not
+        warnings.simplefilter("ignore", HyperACWarning)
+        assert measure(other, loss_fn) == measure(model, loss_fn)
+    hyperac.remove(other)
+    again = hyperac.apply(other, plan=plan, backend="cpu")  # the Plan object itself
+    assert [layer.mode for layer in again.layers] == modes
+
+
+def test_plan_for_another_model_is_refused(llama3, llama_batch):
+    _, plan = applied_copy(llama3, layers={0: "full", 1: "selective", 2: "pointwise"}, backend="cpu")
+    data = json.loads(json.dumps(plan.to_dict()))
+    for other in (tiny_llama(num_layers=2), tiny_llama(num_layers=4), tiny_gpt2(num_layers=3)):
+        with pytest.raises(ConfigError, match="apply a plan to the model"):
+            hyperac.apply(other, plan=data, backend="cpu")
+        assert hyperac.applied_plan(other) is None and instance_forwards(other) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# first-step verification
+
+
+def test_verification_warns_when_the_step_is_much_larger_than_the_sample():
+    model = tiny_llama(num_layers=2)
+    sample, _ = lm_sample(seq=16)
+    _, long_loss = lm_sample(seq=128, seed=3)
+    twin = copy.deepcopy(model)
+    plan = hyperac.apply(model, mode="auto", budget=0.75, sample=sample, backend="cpu")
+    hyperac.apply(twin, plan=plan, backend="cpu")  # same modes, no verification
+    expected_bytes, _ = measure(twin, long_loss)
+    with pytest.warns(HyperACWarning, match="miss of more than 10%") as record:
+        train_step(model, long_loss)
+    messages = hyperac_warnings(record)
+    assert len(messages) == 1
+    found = re.search(r"kept (\d+) activation bytes .* predicted (\d+) ", messages[0])
+    assert found, messages[0]
+    assert int(found.group(2)) == plan.predicted_bytes
+    verified = int(found.group(1))
+    assert verified > 1.1 * plan.predicted_bytes and expected_bytes > 1.1 * plan.predicted_bytes
+    # What measure() sees for that step, give or take the logits (2 x 128 x 128 float32; see
+    # test_verification_does_not_count_the_logits).
+    assert 0 <= verified - expected_bytes <= 2 * 128 * 128 * 4 + 1024
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        train_step(model, long_loss)  # one-shot: no second warning
+    assert hyperac_warnings(later) == []
+    hyperac.remove(model)
+
+
+def test_verification_waits_for_a_training_step_and_remove_drops_it(llama3, llama_batch):
+    sample, loss_fn = llama_batch
+    model = copy.deepcopy(llama3)
+    hooks_before = (dict(model._forward_hooks), dict(model._forward_pre_hooks))
+    hyperac.apply(model, mode="auto", budget=0.75, sample=sample, backend="cpu")
+    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    with torch.no_grad():
+        model(**sample)  # no graph: not a training step
+    model.eval()
+    model(**sample)
+    model.train()
+    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    hyperac.remove(model)  # no training step ran: remove drops the hooks
+    assert (dict(model._forward_hooks), dict(model._forward_pre_hooks)) == hooks_before == ({}, {})
+    assert instance_forwards(model) == []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        train_step(model, loss_fn)
+    assert hyperac_warnings(record) == []
+
+
+def test_verification_does_not_count_the_logits():
+    model = tiny_llama(num_layers=2, vocab_size=2048)
+    sample, loss_fn = lm_sample(vocab=2048)
+    hyperac.apply(model, mode="auto", budget=0.75, sample=sample, backend="cpu")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        train_step(model, loss_fn)
+    assert hyperac_warnings(record) == []
+
+
+def test_verification_leaves_no_dispatch_mode_after_a_failed_forward(llama_batch):
+    model = tiny_llama(num_layers=2)
+    hyperac.apply(model, mode="auto", budget=0.75, sample=llama_batch[0], backend="cpu")
+    model.train()
+    depth = torch._C._len_torch_dispatch_stack()
+    try:
+        with pytest.raises(IndexError):
+            model(input_ids=torch.full((2, 8), 10_000))  # out of the vocabulary
+        assert torch._C._len_torch_dispatch_stack() == depth
+    finally:
+        hyperac.remove(model)
+        while torch._C._len_torch_dispatch_stack() > depth:  # do not leak the mode into other tests
+            torch._C._pop_torch_dispatch_stack()
+
+
+# ---------------------------------------------------------------------------------------------
+# large geometries on the meta device
+
+
+def _rss_kib():
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+def test_estimate_of_a_large_geometry_on_meta_allocates_nothing():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    try:
+        _rss_kib()
+    except (OSError, KeyError):
+        pytest.skip("needs /proc/self/status")
+    try:  # reset the peak (VmHWM) so that a transient allocation shows
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+    rss_before, peak_before = _rss_kib()
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    estimate = hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu")
+    rss_after, peak_after = _rss_kib()
+    assert len(estimate.layers) == 2
+    for layer in estimate.layers:
+        assert all(layer.kept_bytes[mode] > 0 for mode in UNIFORM), layer
+        assert layer.kept_bytes["off"] > layer.kept_bytes["full"]
+        assert 0 < layer.recompute_flops["selective"] < layer.recompute_flops["full"]
+        assert layer.recompute_flops["full"] > 100e9  # a replayed forward of 2048 tokens
+    # The loss keeps a logits-sized float32 tensor for backward.
+    assert estimate.base_flops > 1e12 and estimate.outside_bytes > 2048 * 128256 * 4
+    # A single layer's activations would be gigabytes; the process grew by less than 200 MB.
+    assert rss_after - rss_before < 200 * 1024
+    assert peak_after - max(peak_before, rss_before) < 200 * 1024
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
+    modes = choose_modes(estimate, estimate.total_bytes(["off", "full"]))
+    assert estimate.total_bytes(modes) <= estimate.total_bytes(["off", "full"])
