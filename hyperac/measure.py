@@ -9,6 +9,7 @@ flash-attention kernels that torch's own table leaves at zero).
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -45,14 +46,23 @@ def _cpu_attention_backward_flops(grad_shape, query_shape, key_shape, value_shap
     return sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape)
 
 
+def _grouped_matmul_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``(M, K) x (G, K, N)`` with group offsets, or batched ``(G, M, K) x (G, K, N)``."""
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
 def flop_counter(display: bool = False) -> FlopCounterMode:
-    """A ``FlopCounterMode`` that also counts ``aten._scaled_dot_product_flash_attention_for_cpu``
-    and its backward; wrap forward and backward together in it."""
+    """A ``FlopCounterMode`` that also counts what torch 2.13's table leaves at zero: the CPU
+    flash-attention kernel and its backward, and grouped matmuls (MoE experts); wrap forward and
+    backward together in it."""
     aten = torch.ops.aten
-    mapping = {}
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_attention_flops
-        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_attention_backward_flops
+    formulas = {
+        "_scaled_dot_product_flash_attention_for_cpu": _cpu_attention_flops,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_attention_backward_flops,
+        "_grouped_mm": _grouped_matmul_flops,
+        "_scaled_grouped_mm": _grouped_matmul_flops,
+    }
+    mapping = {getattr(aten, name): formula for name, formula in formulas.items() if hasattr(aten, name)}
     return FlopCounterMode(display=display, custom_mapping=mapping)
 
 

@@ -77,3 +77,13 @@ def test_mm_and_addmm_alternate_alike():
     hyperac.apply(model, mode="selective", layers="blocks", backend="cpu")
     one_matmul = 2 * 4 * 32 * 32
     assert _flops(model, loss_fn) - base == 3 * one_matmul
+
+
+def test_flop_counter_counts_grouped_matmuls():
+    """torch 2.13 counts no FLOPs for `_grouped_mm` (MoE experts); hyperac's counter does."""
+    a = torch.randn(16, 16, dtype=torch.bfloat16)
+    b = torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    offsets = torch.tensor([8, 16], dtype=torch.int32)
+    with flop_counter() as counter:
+        torch._grouped_mm(a, b, offs=offsets)
+    assert counter.get_total_flops() == 2 * 16 * 16 * 16
