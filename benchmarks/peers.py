@@ -61,7 +61,7 @@ BUDGETS = (0.25, 0.35, 0.5, 0.65, 0.75, 0.9)
 FIT_SLACK = 0.02
 PEERS = ("none", "hf-full", "hf-every2", "titan-sel")
 HYPERAC_MODES = ("off", "pointwise", "selective", "full")
-MODE_LETTER = {"off": "o", "pointwise": "p", "selective": "s", "full": "F"}
+MODE_LETTER = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F"}
 
 
 def moe_kwargs_qwen2(a: argparse.Namespace) -> dict[str, Any]:
@@ -334,8 +334,9 @@ def run_arch(arch: str, a: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
             f"{('yes' if torch.equal(run.loss, none.loss) else 'NO'):>10} {diff:>10.2e}"
         )
     print(
-        f"(plan: one letter per layer, o=off p=pointwise s=selective F=full; overhead = recompute FLOPs / "
-        f"no-recompute FLOPs; step ms: median of {a.steps} round-robin steps after {a.warmup} warm-up)"
+        "(plan: one letter per layer, o=off p=pointwise s=selective e=selective-even F=full; "
+        f"overhead = recompute FLOPs / no-recompute FLOPs; step ms: median of {a.steps} round-robin steps "
+        f"after {a.warmup} warm-up)"
     )
 
     # Per budget: hyperac auto against the best peer that fits.

@@ -261,7 +261,8 @@ def _install(
     for index, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
             continue
-        layer_swap = LayerSwap(manager, offload=index != last_swap) if swap else None
+        saved_tensors = mode == "swap" or config.swap_inputs
+        layer_swap = LayerSwap(manager, index != last_swap, saved_tensors) if swap else None
         if mode == "swap":
             track(layer.module, install_swap(layer.module, layer_swap))
             continue

@@ -11,8 +11,8 @@ from .errors import ConfigError
 
 __all__ = ["MODES", "Config", "LayerRule", "LayerSpec"]
 
-MODES = ("off", "full", "selective", "pointwise", "swap")
-SELECTIVE_MODES = ("selective", "pointwise")
+MODES = ("off", "full", "selective", "selective-even", "pointwise", "swap")
+SELECTIVE_MODES = ("selective", "selective-even", "pointwise")
 RECOMPUTE_MODES = ("full", *SELECTIVE_MODES)
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
 
@@ -155,7 +155,8 @@ class Config:
     """Default mode of each layer: ``"off"`` keeps every activation (``False``, YAML's reading of a
     bare ``off``, means the same), ``"full"`` keeps only the layer input and recomputes the layer in
     backward, ``"selective"`` keeps the outputs of expensive ops (every other matmul, attention,
-    collectives) and recomputes the rest, ``"pointwise"`` keeps every matmul's output too and
+    collectives) and recomputes the rest (``"selective-even"``: the other half of the matmuls),
+    ``"pointwise"`` keeps every matmul's output too and
     recomputes only cheap ops (norms, activations, pointwise), ``"swap"`` recomputes nothing but keeps the tensors the
     layer saves for backward (those of at least ``min_swap_bytes``) in host memory."""
 

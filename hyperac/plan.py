@@ -71,7 +71,8 @@ class Plan:
     def summary(self) -> str:
         """One line: backend, adapter and how many layers got each mode."""
         counts = ", ".join(
-            f"{n} {mode}" for mode in ("full", "selective", "pointwise", "swap", "off") if (n := self.count(mode))
+            f"{n} {mode}" for mode in ("full", "selective", "selective-even", "pointwise", "swap", "off")
+            if (n := self.count(mode))
         )
         swapping = sum(1 for layer in self.layers if layer.swap)
         if swapping:

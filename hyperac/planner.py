@@ -7,7 +7,7 @@ on the ``meta`` device, so a 70B-parameter geometry can be estimated on a laptop
 allocating it (on ``meta``, data-dependent scalars such as "is there padding?" read as 1/True).
 
 :func:`choose_modes` then picks a mode per layer (``off``, ``pointwise``, ``selective``,
-``full``) minimising replayed FLOPs subject to the byte budget: a multiple-choice knapsack,
+``selective-even``, ``full``) minimising replayed FLOPs subject to the byte budget: a multiple-choice knapsack,
 solved by dynamic programming over a byte grid: exactly when the byte counts' common divisor gives
 a fine enough grid, else with each layer's bytes rounded up (a chosen plan never exceeds the budget).
 """
@@ -33,7 +33,7 @@ from .measure import created_storages, flop_counter
 
 __all__ = ["ESTIMATE_MODES", "Estimate", "LayerEstimate", "choose_modes", "parse_budget"]
 
-ESTIMATE_MODES = ("off", "pointwise", "selective", "full")
+ESTIMATE_MODES = ("off", "pointwise", "selective", "selective-even", "full")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
 
@@ -74,17 +74,17 @@ class Estimate:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        head = f"{'#':>4}  {'layer':<28}" + "".join(f"  {m + ' MiB':>14}  {m + ' GFLOP':>15}" for m in ESTIMATE_MODES)
+        head = f"{'#':>4}  {'layer':<28}" + "".join(f"  {m + ' MiB':>18}  {m + ' GFLOP':>20}" for m in ESTIMATE_MODES)
         lines = [head]
         for layer in self.layers:
             row = f"{layer.index:>4}  {layer.fqn:<28}"
             for mode in ESTIMATE_MODES:
-                row += f"  {layer.kept_bytes[mode] / 2**20:>14.2f}  {layer.recompute_flops[mode] / 1e9:>15.3f}"
+                row += f"  {layer.kept_bytes[mode] / 2**20:>18.2f}  {layer.recompute_flops[mode] / 1e9:>20.3f}"
             lines.append(row)
         for mode in ESTIMATE_MODES:
             modes = [mode] * len(self.layers)
             lines.append(
-                f"all {mode:<9} {self.total_bytes(modes) / 2**20:>12.2f} MiB kept, "
+                f"all {mode:<14} {self.total_bytes(modes) / 2**20:>12.2f} MiB kept, "
                 f"{self.total_recompute_flops(modes) / 1e9:>10.3f} GFLOP replayed"
             )
         lines.append(f"outside the layers (embeddings, logits, loss): {self.outside_bytes / 2**20:.2f} MiB; "

@@ -5,8 +5,9 @@ backward". hyperac keeps what is expensive to recompute or must not run twice, a
 the rest:
 
 * matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, grouped and scaled variants, treated alike)
-  alternate: the 1st, 3rd, 5th ... of each region are kept, the others recomputed (``pointwise``
-  mode keeps them all and recomputes only cheap ops);
+  alternate: the 1st, 3rd, 5th ... of each region are kept, the others recomputed
+  (``selective-even`` keeps the 2nd, 4th ... instead; ``pointwise`` keeps them all and recomputes
+  only cheap ops);
 * other compute-intensive ops (convolutions, bilinear upsampling), attention ops, collectives
   and ``max`` (FP8 scaling reads it) are kept; the attention and collective overloads come from the backend, resolved
   when the policy is built, so kernels registered after import (a vendor extension, custom kernels)
@@ -114,19 +115,20 @@ class SelectivePolicy:
     """
 
     def __init__(
-        self, ops: OpSets, on_save: Callable[[torch.Tensor], None] | None = None, keep_every_matmul: bool = False
+        self, ops: OpSets, on_save: Callable[[torch.Tensor], None] | None = None, mode: str = "selective"
     ) -> None:
         self.ops = ops
         self.num_matmuls = 0
         self.on_save = on_save
-        self.keep_every_matmul = keep_every_matmul
+        self.keep_every_matmul = mode == "pointwise"
+        self.kept_parity = 0 if mode == "selective-even" else 1
 
     def decide(self, op: Any) -> CheckpointPolicy:
         if op in self.ops.recompute:
             return CheckpointPolicy.MUST_RECOMPUTE
         if op in self.ops.matmul:
             self.num_matmuls += 1
-            keep = self.keep_every_matmul or self.num_matmuls % 2 == 1
+            keep = self.keep_every_matmul or self.num_matmuls % 2 == self.kept_parity
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
         if op in self.ops.keep:
             return CheckpointPolicy.MUST_SAVE
@@ -241,11 +243,12 @@ class _ReplayMode(torch_recompute._CachedTorchDispatchMode):
 
 
 def selective_contexts(
-    ops: OpSets, allow_cache_entry_mutation: bool, swap_group: Any = None, keep_every_matmul: bool = False
+    ops: OpSets, allow_cache_entry_mutation: bool, swap_group: Any = None, mode: str = "selective"
 ) -> tuple[Any, Any]:
     """A fresh (forward, recompute) context pair for one region invocation (eager mode).
 
-    ``keep_every_matmul`` is the ``pointwise`` mode: only cheap ops are recomputed.
+    ``mode``: ``selective`` keeps the odd-numbered matmuls of the region, ``selective-even`` the
+    even-numbered ones, ``pointwise`` all of them (only cheap ops are recomputed).
 
     With ``swap_group``, the kept op outputs go to host memory after the layer's forward and
     come back before the replay (NOTE [Swapping selective outputs] in swap.py).
@@ -254,7 +257,7 @@ def selective_contexts(
     on_save = None if swap_group is None else swap_group.register_cached
     before_replay = None if swap_group is None else swap_group.ensure_loaded
     return (
-        _RecordingMode(SelectivePolicy(ops, on_save, keep_every_matmul), storage, ops.ignored),
+        _RecordingMode(SelectivePolicy(ops, on_save, mode), storage, ops.ignored),
         _ReplayMode(storage, allow_cache_entry_mutation, ops.ignored, before_replay),
     )
 

@@ -95,7 +95,7 @@ def _context_fn(
         if mode in SELECTIVE_MODES:
             group = current_group() if swap_outputs else None
             forward_ctx, replay_ctx = selective_contexts(
-                ops, allow_cache_entry_mutation, group, keep_every_matmul=mode == "pointwise"
+                ops, allow_cache_entry_mutation, group, mode
             )
         else:
             forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
@@ -165,7 +165,7 @@ def install_recompute(
             return torch_recompute.checkpoint(region, *args, use_reentrant=False, **extra)
         return swap.manager.run_layer(
             swap.offload, functools.partial(torch_recompute.checkpoint, region, use_reentrant=False, **extra),
-            args, kwargs,
+            args, kwargs, swap.saved_tensors,
         )
 
     module.forward = types.MethodType(recomputed_forward, module)

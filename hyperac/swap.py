@@ -54,6 +54,7 @@ use count, less the cache's own detached alias of each kept output.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import sys
@@ -465,10 +466,12 @@ def _storage_keys(values: Any) -> set[int]:
 
 @dataclasses.dataclass(frozen=True)
 class LayerSwap:
-    """How one layer swaps: through which manager, and whether it offloads at all."""
+    """How one layer swaps: through which manager, whether it offloads at all, and whether the
+    tensors autograd saves (its inputs, when it recomputes) go too, or only selective outputs."""
 
     manager: SwapManager
     offload: bool
+    saved_tensors: bool = True
 
 
 def _unpack(value: Any) -> Any:
@@ -522,16 +525,21 @@ class SwapManager:
             return "small"
         return None
 
-    def run_layer(self, offload: bool, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def run_layer(
+        self, offload: bool, call: Callable[..., Any], args: tuple, kwargs: dict, saved_tensors: bool = True
+    ) -> Any:
         """Run one layer invocation with its saved tensors swapped (NOTE [Swap stream ordering]).
 
-        ``offload=False`` (the model's last swapping layer) keeps them on the device.
+        ``offload=False`` (the model's last swapping layer) keeps them on the device;
+        ``saved_tensors=False`` swaps only what a selective policy registers with the group.
         """
         previous = self._last() if self._last is not None else None
         group = SwapGroup(self, previous, offload)
         token = _current_group.set(group)
+        hooks = (torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack) if saved_tensors
+                 else contextlib.nullcontext())
         try:
-            with torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack):
+            with hooks:
                 output = call(*args, **kwargs)
         except BaseException:
             # This forward is abandoned: the next layer invocation starts a new chain, so no later

@@ -811,8 +811,6 @@ def test_kept_output_that_is_the_layer_output_stays_on_device():
     assert stats.reloaded_bytes == stats.offloaded_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="api.py/recompute.py: a selective layer that swaps only its kept outputs "
-                   "(swap_inputs=False) still sends its inputs to host memory (LayerSwap has no inputs flag)")
 def test_swap_selective_outputs_alone_keeps_layer_inputs_on_device(net):
     loss_fn = net_loss()
     outputs_only = swapped(net, mode="selective", swap_selective_outputs=True)
