@@ -42,7 +42,8 @@ class _AppliedState:
     swap: SwapManager | None
 
 
-def _resolve_config(config: Config | None, fields: dict[str, Any]) -> Config:
+def resolve_config(config: Config | None, fields: dict[str, Any]) -> Config:
+    """One Config from ``config=`` or keyword options (unset ones marked ``_UNSET``), never both."""
     given = {name: value for name, value in fields.items() if value is not _UNSET}
     if config is None:
         return Config(**given)
@@ -186,7 +187,7 @@ def apply(
         BackendUnavailableError: an explicitly requested backend cannot run here.
         UnsupportedModelError: no layers were found, or HF activation checkpointing is already on.
     """
-    config = _resolve_config(
+    config = resolve_config(
         config,
         dict(mode=mode, backend=backend, layers=layers, compile=compile,
              allow_cache_entry_mutation=allow_cache_entry_mutation, swap_inputs=swap_inputs,

@@ -4,10 +4,12 @@ Tests marked ``cuda`` or ``npu`` run only when that backend is selected; the sel
 must be usable, or the session stops (an all-skipped hardware run must not pass).
 """
 
+import copy
 import os
 
 import pytest
 import torch
+from hyperac_testing import lm_loss, tiny_llama, train_step
 
 import hyperac
 
@@ -34,3 +36,27 @@ def pytest_collection_modifyitems(config, items):
 def backend_name():
     """The backend this run targets."""
     return SELECTED
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    """A tiny 4-layer Llama, built once per test module (a module may define its own)."""
+    return tiny_llama(num_layers=4)
+
+
+@pytest.fixture
+def model(base_model):
+    """A fresh copy of ``base_model`` for one test."""
+    return copy.deepcopy(base_model)
+
+
+@pytest.fixture(scope="module")
+def loss_fn():
+    """A causal-LM loss on a fixed 2 x 16 batch."""
+    return lm_loss(batch=2, seq=16)
+
+
+@pytest.fixture(scope="module")
+def reference(base_model, loss_fn):
+    """One un-applied training step of ``base_model``: (loss, grads)."""
+    return train_step(copy.deepcopy(base_model), loss_fn)

@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from hyperac_testing import applied_copy, assert_parity, lm_loss, tiny_llama, train_step
+from hyperac_testing import applied_copy, assert_parity, tiny_llama, train_step
 
 import hyperac
 from hyperac import Adapter, ConfigError
@@ -27,21 +27,6 @@ NO_ATTENTION = Adapter(region_patterns=("model.layers.*",), exclude_patterns=("*
 @pytest.fixture(scope="module")
 def base_model():
     return tiny_llama(num_layers=NUM_LAYERS)
-
-
-@pytest.fixture
-def model(base_model):
-    return copy.deepcopy(base_model)
-
-
-@pytest.fixture(scope="module")
-def loss_fn():
-    return lm_loss(batch=2, seq=16)
-
-
-@pytest.fixture(scope="module")
-def reference(base_model, loss_fn):
-    return train_step(copy.deepcopy(base_model), loss_fn)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from hyperac_testing import assert_parity, lm_loss, tiny_llama, train_step
+from hyperac_testing import assert_parity, tiny_llama, train_step
 
 import hyperac
 from hyperac.measure import flop_counter
@@ -23,16 +23,6 @@ from hyperac.measure import flop_counter
 @pytest.fixture(scope="module")
 def base_model():
     return tiny_llama(num_layers=2, hidden_size=32, intermediate_size=64)
-
-
-@pytest.fixture(scope="module")
-def loss_fn():
-    return lm_loss(batch=2, seq=16)
-
-
-@pytest.fixture(scope="module")
-def reference(base_model, loss_fn):
-    return train_step(copy.deepcopy(base_model), loss_fn)
 
 
 @pytest.fixture(autouse=True)

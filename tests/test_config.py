@@ -4,29 +4,17 @@ and echoes the value, and a failing ``apply`` leaves the model exactly as it was
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import inspect
 import textwrap
 
 import pytest
-from hyperac_testing import tiny_llama
 
 import hyperac
 from hyperac import Config, ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-@pytest.fixture(scope="module")
-def base_model():
-    return tiny_llama(num_layers=4)
-
-
-@pytest.fixture
-def model(base_model):
-    return copy.deepcopy(base_model)
 
 
 def snapshot(model):

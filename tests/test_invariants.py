@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 import torch
-from hyperac_testing import applied_copy, assert_parity, lm_loss, tiny_llama, train_step
+from hyperac_testing import applied_copy, assert_parity, train_step
 from torch import nn
 
 import hyperac
@@ -24,21 +24,6 @@ from hyperac.measure import flop_counter
 MODES = ["full", "selective"]
 PLAN = {"0-1": "full", 2: "off", "3-": "selective"}
 PLAN_MODES = ["full", "full", "off", "selective"]
-
-
-@pytest.fixture(scope="module")
-def base_model():
-    return tiny_llama(num_layers=4)
-
-
-@pytest.fixture
-def model(base_model):
-    return copy.deepcopy(base_model)
-
-
-@pytest.fixture(scope="module")
-def loss_fn():
-    return lm_loss(batch=2, seq=16)
 
 
 def structure(model):

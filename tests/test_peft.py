@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from hyperac_testing import assert_parity, lm_loss, tiny_llama, train_step
+from hyperac_testing import assert_parity, tiny_llama, train_step
 
 import hyperac
 
@@ -31,11 +31,6 @@ def lora_model():
                              init_lora_weights=False)  # B != 0: every adapter matrix gets a nonzero gradient
     torch.manual_seed(0)
     return peft.get_peft_model(base, config)
-
-
-@pytest.fixture(scope="module")
-def loss_fn():
-    return lm_loss(batch=2, seq=16)
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback
 
-from ..api import applied_plan, apply, remove
+from ..api import applied_plan, apply, remove, resolve_config
 from ..backends import available_backends
 from ..config import Config
 from ..discovery import discover_layers
@@ -68,17 +68,10 @@ def _explicit_options(config: Config | None, options: Mapping[str, Any]) -> dict
         raise ConfigError(
             f"unknown hyperac option(s) {unknown}; the options are the fields of hyperac.Config: {', '.join(_FIELDS)}."
         )
+    resolved = resolve_config(config, dict(options))  # validate now, not when training starts
     if config is None:
-        Config(**options)  # validate now, not when training starts
         return dict(options)
-    if not isinstance(config, Config):
-        raise ConfigError(f"config must be a hyperac.Config or None, got {config!r}.")
-    if options:
-        raise ConfigError(
-            f"pass either config= or keyword options, not both (got config and {sorted(options)}); "
-            f"use dataclasses.replace(config, {', '.join(f'{k}=...' for k in sorted(options))})."
-        )
-    return {field: getattr(config, field) for field in _FIELDS}
+    return {field: getattr(resolved, field) for field in _FIELDS}
 
 
 def _hf_recompute_request(args: Any) -> tuple[bool, dict[str, Any]]:
