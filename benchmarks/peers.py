@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The peer setups are shared with recompute_modes.py.
-from recompute_modes import apply_hf_full, apply_titan_selective, fmt_bytes, timed_step  # noqa: E402
+from recompute_modes import apply_hf_full, apply_titan_selective, fmt_bytes, geometry, timed_step  # noqa: E402
 
 import hyperac  # noqa: E402
 from hyperac.errors import ConfigError  # noqa: E402
@@ -90,16 +90,7 @@ def build_model(arch: str, a: argparse.Namespace) -> nn.Module:
     import transformers
 
     config_name, model_name, extra = ARCHITECTURES[arch]
-    kwargs: dict[str, Any] = dict(
-        hidden_size=a.hidden,
-        intermediate_size=a.intermediate,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        vocab_size=a.vocab,
-        max_position_embeddings=max(a.seq, 128),
-        attn_implementation="sdpa",
-    )
+    kwargs: dict[str, Any] = geometry(a)
     if extra is not None:
         kwargs.update(extra(a), experts_implementation=a.experts_impl)
     config = getattr(transformers, config_name)(**kwargs)

@@ -145,11 +145,9 @@ ARCHITECTURES = {
 }
 
 
-def build_model(args: argparse.Namespace) -> nn.Module:
-    import transformers
-
-    config_name, model_name = ARCHITECTURES[args.arch]
-    config = getattr(transformers, config_name)(
+def geometry(args: argparse.Namespace) -> dict:
+    """Config keyword arguments for a decoder of the sizes given on the command line."""
+    return dict(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
@@ -159,6 +157,13 @@ def build_model(args: argparse.Namespace) -> nn.Module:
         max_position_embeddings=max(args.seq, 128),
         attn_implementation="sdpa",
     )
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    import transformers
+
+    config_name, model_name = ARCHITECTURES[args.arch]
+    config = getattr(transformers, config_name)(**geometry(args))
     torch.manual_seed(args.seed)
     model = getattr(transformers, model_name)(config).float()
     model.train()
