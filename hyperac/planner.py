@@ -4,7 +4,8 @@
 profiling dispatch mode and attributes every activation byte kept for backward and every FLOP
 replayed in backward to the layer that produced it. It works on real tensors and on models built
 on the ``meta`` device, so a 70B-parameter geometry can be estimated on a laptop CPU without
-allocating it (on ``meta``, data-dependent scalars such as "is there padding?" read as 1/True).
+allocating it (on ``meta``, data-dependent scalars such as "is there padding?" read as 1/True, and
+attention is costed as the fused flash kernel an accelerator would run).
 
 :func:`choose_modes` then picks a mode per layer (``off``, ``pointwise``, ``selective``,
 ``selective-even``, ``full``) minimising replayed FLOPs subject to the byte budget: a multiple-choice knapsack,
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -152,6 +154,35 @@ class _Profiler(TorchDispatchMode):
         return kept
 
 
+@contextlib.contextmanager
+def _fused_attention_on_meta() -> Iterator[None]:
+    """While profiling, send SDPA on ``meta`` tensors to the fused CPU flash kernel.
+
+    On ``meta`` SDPA takes its math path and keeps the seq x seq attention matrix, which no
+    accelerator run keeps; the flash kernel's meta functions give the shapes, saved tensors and
+    FLOPs of fused attention. The function is swapped (not a torch-function mode) because the
+    recompute in backward must take the same path as the forward. Side effect: for the duration,
+    ``torch.nn.functional.scaled_dot_product_attention`` is this wrapper.
+    """
+    original = F.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "meta":
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 def _loss(model: nn.Module, sample: Any) -> torch.Tensor:
     if callable(sample):
         return sample(model)
@@ -206,7 +237,7 @@ def profile(
     kept: dict[str, dict[int | None, int]] = {}
     replayed: dict[str, dict[int | None, int]] = {}
     base_flops = 0
-    with _side_effects_undone(model, device_type):
+    with _side_effects_undone(model, device_type), _fused_attention_on_meta():
         model.train()
         for mode in ESTIMATE_MODES:
             undo = run_mode(mode)

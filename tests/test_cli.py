@@ -26,7 +26,7 @@ TINY_LLAMA = dict(
     model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
 )
-PLAN_ROW = r"^\s*{index}\s+model\.layers\.{index}\s+(off|pointwise|selective|full)\s*$"
+PLAN_ROW = r"^\s*{index}\s+model\.layers\.{index}\s+(off|pointwise|selective|selective-even|full)\s*$"
 
 
 def installed_script():

@@ -651,3 +651,20 @@ def test_estimate_of_a_large_geometry_on_meta_allocates_nothing():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
     modes = choose_modes(estimate, estimate.total_bytes(["off", "full"]))
     assert estimate.total_bytes(modes) <= estimate.total_bytes(["off", "full"])
+
+
+def test_meta_estimate_costs_attention_as_fused():
+    """On meta, SDPA would take its math path and keep a seq x seq matrix per head; the estimate
+    costs it as the fused kernel, so a layer keeps far less than one attention matrix per head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seq, heads = 1024, 8
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=heads,
+                         num_key_value_heads=2, vocab_size=128)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    estimate = hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu")
+    attention_matrices = heads * seq * seq * 4
+    assert estimate.layers[0].kept_bytes["off"] < attention_matrices
+    assert torch.nn.functional.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
