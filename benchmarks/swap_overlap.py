@@ -152,19 +152,10 @@ def configurations(args: argparse.Namespace) -> dict[str, Callable[[nn.Module], 
 
 def build_base(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The seeded base model, built on ``device`` (fast init), cast, and parked in host memory."""
+    from recompute_modes import geometry
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=args.seq,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+    config = LlamaConfig(**geometry(args), use_cache=False)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = LlamaForCausalLM(config)
