@@ -214,17 +214,13 @@ def apply(
     swaps = _swap_flags(config, chosen_backend, modes, notes)
     # The last swapping layer keeps its tensors (its backward comes first) but stays in the chain.
     last_swap = max((i for i, flag in enumerate(swaps) if flag), default=None)
+    layer_plans = []
+    for i, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
+        roots, excluded = regions.get(layer.fqn, ((), ()))
+        layer_plans.append(LayerPlan(layer.index, layer.fqn, mode, tuple(f for f, _ in roots),
+                                     tuple(f for f, _ in excluded), swap and i != last_swap))
     result = Plan(
-        backend=chosen_backend.name,
-        adapter=adapter_name,
-        layers=tuple(
-            LayerPlan(layer.index, layer.fqn, mode,
-                      tuple(f for f, _ in regions.get(layer.fqn, ((), ()))[0]),
-                      tuple(f for f, _ in regions.get(layer.fqn, ((), ()))[1]), swap and i != last_swap)
-            for i, (layer, mode, swap) in enumerate(zip(found, modes, swaps))
-        ),
-        notes=tuple(notes),
-        **prediction,
+        backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )
     ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) else None
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if any(swaps) else None

@@ -202,7 +202,8 @@ class Config:
     or a callable ``model -> loss``; profiled once per mode to estimate each layer's costs."""
 
     plan: Any = None
-    """A :class:`hyperac.Plan` (or its ``to_dict()``) to apply again: its per-layer modes and swap."""
+    """A :class:`hyperac.Plan` (or its ``to_dict()``) to apply again: its per-layer modes. Swap of
+    recomputed layers still follows ``swap_inputs``/``swap_selective_outputs`` (``swap`` layers swap)."""
 
     adapter: Any = None
     """Recompute regions inside layers. ``None``: the adapter registered for the model's
