@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 from . import _hf
 from .adapters import Adapter, find_adapter, resolve_regions
 from .backends import Backend, get_backend
+from .buffers import BufferSnapshots
 from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError, warn_once
@@ -273,7 +274,8 @@ def _install(
                 track(module, install_exclusion(module))
         for _, module in roots:
             if id(module) not in installed:
-                track(module, install_recompute(module, context_fn, layer_swap))
+                region_fn = context_fn if config.compile else BufferSnapshots.wrap(module, context_fn)
+                track(module, install_recompute(module, region_fn, layer_swap))
 
 
 def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
