@@ -22,7 +22,7 @@ from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError, warn_once
 from .measure import ActivationMeter
-from .plan import LayerPlan, Plan, assign_modes
+from .plan import LayerPlan, Plan, assign_modes, reversible_note
 from .planner import Estimate, choose_modes, parse_budget, profile
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap, restore_forward
@@ -208,7 +208,7 @@ def apply(
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
-    notes: list[str] = []
+    notes: list[str] = reversible_note(found)
     regions = _regions_by_layer(
         dict(named_modules), found, modes, adapter_spec, config, _hf.has_kv_sharing(configs), notes
     )
@@ -219,7 +219,7 @@ def apply(
     for i, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         roots, excluded = regions.get(layer.fqn, ((), ()))
         layer_plans.append(LayerPlan(layer.index, layer.fqn, mode, tuple(f for f, _ in roots),
-                                     tuple(f for f, _ in excluded), swap and i != last_swap))
+                                     tuple(f for f, _ in excluded), swap and i != last_swap, layer.found_by))
     result = Plan(
         backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )

@@ -1,22 +1,38 @@
 """Find a model's repeated layers without model-specific paths.
 
 Layers live in containers (``ModuleList``, ``ModuleDict``, ``Sequential``); a model may have
-several (a vision tower and a text tower, an encoder and a decoder). A container counts when
-every child is a layer:
+several (a vision tower and a text tower, an encoder and a decoder). Discovery walks the model
+from the top and takes the first container on each path that holds layers; it never looks inside
+a layer. Each layer records how it was found (``Layer.found_by``, a column of ``print(plan)``):
 
-* where the model declares its layer classes (HF ``GradientCheckpointingLayer`` subclasses, or
-  class names in ``_no_split_modules``), a child is a layer when it is one of them, so a norm
-  list, a patch embedding or a merger is never taken for a layer container;
-* otherwise (older remote code), the container must be a child of a module carrying HF's
-  ``gradient_checkpointing`` marker, and a layer is any child that has children.
+* ``declared class``: the model declares its layer classes (HF ``GradientCheckpointingLayer``
+  subclasses, class names in ``_no_split_modules``) and the container holds at least one of them,
+  every other child being a block too (mobilevit mixes declared and undeclared blocks);
+* ``HF marker``: older remote code declares nothing, but the container's parent carries HF's
+  ``gradient_checkpointing`` attribute; every child with children is a layer;
+* ``structure``: plain PyTorch (torchtitan's ``layers`` ``ModuleDict``, nanoGPT's
+  ``transformer.h``, timm's ``blocks``) and HF classes that declare nothing: a container of
+  blocks (children that have children) at least two of which share a class. Where every such
+  block is a stage whose own container of blocks holds most of its parameters (timm's
+  ``stages[i].blocks``), the inner blocks are the layers. A container of ``ModuleList``s (funnel,
+  pvt) holds its lists' children. Repeated blocks found this way before any declared one win
+  (rt_detr declares small conv layers inside its backbone's bottlenecks: the bottlenecks are the
+  layers); containers holding under a tenth of the largest one's parameters are left out, unless
+  their block class is one the kept containers hold (a CNN's small early stages). A model with no
+  repeated block but one block used several times (ALBERT's shared layer group) gets that block;
+* ``user path``: ``layers="encoder.blocks"`` names the container.
 
-Plain PyTorch models name their containers (``layers="model.blocks"``).
+NOTE [Reversible layers]
+Reversible layers (HF reformer) run their forward without autograd and rebuild their inputs from
+their outputs in backward: recompute has nothing to save there. Such a layer (its class has a
+``backward_pass`` method) is marked ``reversible``; the plan leaves it ``off`` and says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import Counter
 from collections.abc import Iterator
 
 from torch import nn
@@ -29,6 +45,16 @@ _CONTAINER_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 # Attributes under which recompute wrappers (torch's CheckpointWrapper, FSDP1, HF/accelerate) keep
 # the wrapped module.
 _WRAPPED_ATTRIBUTES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_wrapped_module")
+
+
+FOUND_BY = ("declared class", "HF marker", "structure", "user path")
+"""How a layer was found (:attr:`Layer.found_by`); the module docstring states each rule."""
+# A container found by structure alone is kept only if it holds at least this share of the
+# parameters of the largest container found (NOTE in the module docstring).
+_MIN_SHARE = 0.1
+# A block is a stage (its inner blocks are the layers) when its own container of blocks holds at
+# least this share of its parameters.
+_STAGE_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +71,10 @@ class Layer:
     """The block itself (seen through any wrapper)."""
     wrapper: nn.Module | None
     """An activation-recompute wrapper around the block, if it already has one."""
+    found_by: str = "user path"
+    """Which rule found it: one of :data:`FOUND_BY`."""
+    reversible: bool = False
+    """The block rebuilds its inputs in backward itself (NOTE [Reversible layers])."""
 
 
 def _unwrap(module: nn.Module) -> tuple[nn.Module, nn.Module | None]:
@@ -71,8 +101,49 @@ def _hf_layer_base() -> type | None:
     return getattr(module, "GradientCheckpointingLayer", None)
 
 
-class _LayerTest:
-    """Decides whether a module is a layer, from what the model declares."""
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+Blocks = list[tuple[str, nn.Module]]
+"""(name relative to the container, child as registered, possibly wrapped) of a container's layers."""
+
+
+def _blocks(container: nn.Module, keep_leaves: bool = False) -> Blocks:
+    """The container's children, the children of ``ModuleList``/``ModuleDict`` children in their place
+    (those have no forward: funnel's ``blocks``, pvt's ``block``). Without ``keep_leaves``, a child with
+    no children of its own (a ``Linear``, a norm) makes the container hold no layers: ``[]``."""
+    found: Blocks = []
+    for name, child in container.named_children():
+        inner = _unwrap(child)[0]
+        if isinstance(inner, (nn.ModuleList, nn.ModuleDict)):
+            nested = _blocks(inner, keep_leaves)
+            if not nested and not keep_leaves:
+                return []
+            found.extend((f"{name}.{sub}", module) for sub, module in nested)
+        elif not keep_leaves and next(inner.children(), None) is None:
+            return []
+        else:
+            found.append((name, child))
+    return found
+
+
+@dataclasses.dataclass
+class _Container:
+    fqn: str
+    blocks: Blocks
+    found_by: str
+    fully_declared: bool = False
+
+    def classes(self) -> set[type]:
+        return {type(_unwrap(module)[0]) for _, module in self.blocks}
+
+    def parameters(self) -> int:
+        return sum(_parameter_count(module) for _, module in self.blocks)
+
+
+class _Rules:
+    """Decides whether a container holds layers, from what the model declares and its structure."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.names = _declared_layer_names(modules)
@@ -85,40 +156,87 @@ class _LayerTest:
         # Through the class hierarchy: FSDP2 turns a sharded layer's class into FSDP<Layer>.
         return any(cls.__name__ in self.names for cls in type(module).__mro__)
 
-    def is_container(self, parent: nn.Module, container: nn.Module) -> bool:
-        if not isinstance(container, _CONTAINER_TYPES) or len(container) == 0:
-            return False
-        blocks = [_unwrap(child)[0] for child in container.children()]
-        if self.declared:
-            return all(self.is_declared(b) for b in blocks)
-        return hasattr(parent, "gradient_checkpointing") and all(
-            next(b.children(), None) is not None for b in blocks
-        )
+    def classify(self, parent: nn.Module, fqn: str, container: nn.Module, single: bool) -> _Container | None:
+        """The container's layers and the rule that found them, or ``None``. ``single`` accepts one block."""
+        if not isinstance(container, _CONTAINER_TYPES):
+            return None
+        blocks = _blocks(container)
+        if not blocks:
+            return None
+        declared = [self.is_declared(_unwrap(module)[0]) for _, module in blocks]
+        if any(declared):
+            return _Container(fqn, blocks, "declared class", all(declared))
+        if not self.declared and hasattr(parent, "gradient_checkpointing"):
+            return _Container(fqn, blocks, "HF marker")
+        counts = Counter(type(_unwrap(module)[0]) for _, module in blocks)
+        if max(counts.values()) >= 2 or single:
+            return _Container(fqn, blocks, "structure")
+        return None
+
+    def stage_of(self, block: nn.Module) -> tuple[str, _Container] | None:
+        """(relative name, inner container) when ``block`` is a stage: itself a container of blocks, or holding
+        one with most of its parameters (timm's ``stages[i].blocks``), whose blocks are more than a
+        convolution, a norm and an activation (HF resnet's bottleneck holds a ``Sequential`` of those)."""
+        total = _parameter_count(block)
+        children = [("", block)] if isinstance(block, _CONTAINER_TYPES) else list(block.named_children())
+        for name, child in children:
+            inner = self.classify(block, name, child, single=True)
+            if (
+                inner is not None and inner.parameters() >= _STAGE_SHARE * total > 0
+                and not any(_leaf_only(_unwrap(module)[0]) for _, module in inner.blocks)
+            ):
+                return name, inner
+        return None
 
 
-def _walk(module: nn.Module, prefix: str, test: _LayerTest, seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
-    """Yield (fqn, container) in registration order; never look inside a layer."""
+def _leaf_only(module: nn.Module) -> bool:
+    return all(next(child.children(), None) is None for child in module.children())
+
+
+def _walk(
+    module: nn.Module, prefix: str, rules: _Rules, seen: set[int], single: bool
+) -> Iterator[_Container]:
+    """Yield the containers of layers in registration order; never look inside a layer."""
     for name, child in module.named_children():
         if id(child) in seen:
             continue
         seen.add(id(child))
         fqn = f"{prefix}{name}"
-        if test.is_container(module, child):
-            yield fqn, child
+        found = rules.classify(module, fqn, child, single)
+        if found is None:
+            yield from _walk(child, f"{fqn}.", rules, seen, single)
+            continue
+        stages = [rules.stage_of(_unwrap(m)[0]) for _, m in found.blocks] if found.found_by == "structure" else []
+        if stages and all(stages):
+            for (block_name, _), (inner_name, inner) in zip(found.blocks, stages):
+                inner.fqn = ".".join(part for part in (fqn, block_name, inner_name) if part)
+                yield inner
         else:
-            yield from _walk(child, f"{fqn}.", test, seen)
+            yield found
 
 
-def _layers_of(containers: list[tuple[str, nn.Module]]) -> list[Layer]:
+def _largest(containers: list[_Container]) -> list[_Container]:
+    """Drop small containers found by structure alone (NOTE in the module docstring)."""
+    exempt = [c for c in containers if c.fully_declared or c.found_by == "HF marker"]
+    largest = max(c.parameters() for c in containers)
+    kept = [c for c in containers if c in exempt or c.parameters() >= _MIN_SHARE * largest]
+    classes = set().union(*(c.classes() for c in kept))
+    return [c for c in containers if c in kept or c.classes() <= classes]
+
+
+def _layers_of(containers: list[_Container]) -> list[Layer]:
     layers: list[Layer] = []
     seen: set[int] = set()
-    for container_fqn, container in containers:
-        for name, child in container.named_children():
+    for container in containers:
+        for name, child in container.blocks:
             block, wrapper = _unwrap(child)
             if id(block) in seen:
                 continue
             seen.add(id(block))
-            layers.append(Layer(len(layers), f"{container_fqn}.{name}", container_fqn, block, wrapper))
+            layers.append(Layer(
+                len(layers), f"{container.fqn}.{name}", container.fqn, block, wrapper, container.found_by,
+                callable(getattr(type(block), "backward_pass", None)),
+            ))
     return layers
 
 
@@ -126,7 +244,7 @@ def _candidate_paths(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, _CONTAINER_TYPES) and len(m) > 1][:5]
 
 
-def _named_containers(model: nn.Module, paths: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+def _named_containers(model: nn.Module, paths: tuple[str, ...]) -> list[_Container]:
     containers = []
     for path in paths:
         try:
@@ -136,12 +254,14 @@ def _named_containers(model: nn.Module, paths: tuple[str, ...]) -> list[tuple[st
                 f"Config.layers names {path!r}, but {type(model).__name__} has no such submodule; "
                 f"containers it has: {_candidate_paths(model)!r}."
             ) from None
-        if not isinstance(container, _CONTAINER_TYPES) or len(container) == 0:
+        blocks = _blocks(container, keep_leaves=True) if isinstance(container, _CONTAINER_TYPES) else []
+        if not blocks:
             raise ConfigError(
                 f"Config.layers names {path!r}, a {type(container).__name__}, not a non-empty ModuleList, "
-                f"ModuleDict or Sequential of layers; containers it has: {_candidate_paths(model)!r}."
+                f"ModuleDict or Sequential of layers (nor of such lists); containers it has: "
+                f"{_candidate_paths(model)!r}."
             )
-        containers.append((path, container))
+        containers.append(_Container(path, blocks, "user path"))
     return containers
 
 
@@ -150,6 +270,7 @@ def discover_layers(
 ) -> list[Layer]:
     """Return the model's layers in registration order, each block once.
 
+    A container whose children are ``ModuleList``s (funnel's ``blocks``) holds their children.
     ``modules`` (``list(model.modules())``) saves a walk over the model when the caller has it.
 
     Raises:
@@ -158,13 +279,15 @@ def discover_layers(
     """
     if container_paths is not None:
         return _layers_of(_named_containers(model, container_paths))
-    test = _LayerTest(list(model.modules()) if modules is None else modules)
-    containers = list(_walk(model, "", test, {id(model)}))
+    rules = _Rules(list(model.modules()) if modules is None else modules)
+    containers = list(_walk(model, "", rules, {id(model)}, single=False))
+    if not containers:  # one block reused several times (ALBERT)
+        containers = list(_walk(model, "", rules, {id(model)}, single=True))
     if not containers:
         raise UnsupportedModelError(
-            f"found no repeated layers in {type(model).__name__}: it declares no layer classes "
-            "(GradientCheckpointingLayer, _no_split_modules) and has no container under a module with a "
-            "'gradient_checkpointing' attribute; name the container, e.g. "
-            f"hyperac.apply(model, layers='model.blocks') (candidates: {_candidate_paths(model)!r})."
+            f"found no repeated layers in {type(model).__name__}: no container holds blocks of a declared "
+            "layer class (GradientCheckpointingLayer, _no_split_modules) or two blocks of one class; name "
+            "the container, e.g. hyperac.apply(model, layers='model.blocks') "
+            f"(candidates: {_candidate_paths(model)!r})."
         )
-    return _layers_of(containers)
+    return _layers_of(_largest(containers))

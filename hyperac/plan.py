@@ -10,7 +10,7 @@ from .config import Config, LayerRule
 from .discovery import Layer
 from .errors import ConfigError
 
-__all__ = ["LayerPlan", "Plan", "assign_modes"]
+__all__ = ["LayerPlan", "Plan", "assign_modes", "reversible_note"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,9 @@ class LayerPlan:
     swap: bool = False
     """Whether the tensors this layer keeps for backward live in host memory in between (its
     inputs when it recomputes, everything it saves in ``swap`` mode)."""
+    found_by: str = "user path"
+    """How discovery found the layer: ``declared class``, ``HF marker``, ``structure`` or ``user path``
+    (hyperac.discovery)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -92,11 +95,16 @@ class Plan:
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.fqn) for layer in self.layers])
-        lines = [self.summary(), f"{'#':>4}  {'layer':<{width}}  {'mode':<9}  {'swap':<4}  recomputed"]
+        found = max([len("found by")] + [len(layer.found_by) for layer in self.layers])
+        lines = [
+            self.summary(),
+            f"{'#':>4}  {'layer':<{width}}  {'found by':<{found}}  {'mode':<9}  {'swap':<4}  recomputed",
+        ]
         for layer in self.layers:
             swap = "yes" if layer.swap else "-"
             lines.append(
-                f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.mode:<9}  {swap:<4}  {_describe_targets(layer)}"
+                f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.found_by:<{found}}  {layer.mode:<9}  {swap:<4}  "
+                f"{_describe_targets(layer)}"
             )
         if self.predicted_bytes is not None:
             lines.append(
@@ -132,8 +140,20 @@ def _apply_rules(modes: list[str], rules: Sequence[LayerRule], where: str, names
         modes[rule.first:last + 1] = [rule.mode] * (last + 1 - rule.first)
 
 
+def reversible_note(layers: Sequence[Layer]) -> list[str]:
+    """The plan's note on reversible layers, which stay ``off`` (NOTE [Reversible layers] in discovery.py)."""
+    reversible = [layer.fqn for layer in layers if layer.reversible]
+    if not reversible:
+        return []
+    return [
+        f"{len(reversible)} reversible layer(s) ({reversible[0]}, ...) rebuild their inputs from their outputs in "
+        "backward and keep no activations: recompute gains nothing there, so they stay off."
+    ]
+
+
 def assign_modes(layers: Sequence[Layer], config: Config) -> list[str]:
-    """Each layer's mode: ``config.mode``, overridden by the per-layer rules of ``config.layers``."""
+    """Each layer's mode: ``config.mode``, overridden by the per-layer rules of ``config.layers``;
+    reversible layers stay ``off``."""
     modes = [config.mode] * len(layers)
     for container, rules in config.layer_spec.rules.items():
         if container == "":
@@ -144,4 +164,4 @@ def assign_modes(layers: Sequence[Layer], config: Config) -> list[str]:
         _apply_rules(local, rules, f"Config.layers[{container!r}]", repr(container))
         for position, mode in zip(positions, local):
             modes[position] = mode
-    return modes
+    return [("off" if layer.reversible else mode) for layer, mode in zip(layers, modes)]

@@ -326,11 +326,11 @@ def test_plan_printing_and_dict(model):
     assert lines[0] == "hyperac: backend cpu, adapter none, 4 layers: 2 full, 1 selective, 1 off"
     assert plan.summary() == lines[0]
     assert len(lines) == 2 + 4
-    assert re.search(r"#\s+layer\s+mode\s+swap\s+recomputed", lines[1])
+    assert re.search(r"#\s+layer\s+found by\s+mode\s+swap\s+recomputed", lines[1])
     for index, mode in enumerate(PLAN_MODES):
         row = lines[2 + index].split()
         target = ["-"] if mode == "off" else ["whole", "layer"]
-        assert row == [str(index), f"model.layers.{index}", mode, "-", *target]
+        assert row == [str(index), f"model.layers.{index}", "declared", "class", mode, "-", *target]
     as_dict = plan.to_dict()
     assert as_dict["backend"] == "cpu"
     assert as_dict["adapter"] == "none"
@@ -338,11 +338,13 @@ def test_plan_printing_and_dict(model):
     assert [entry["mode"] for entry in as_dict["layers"]] == PLAN_MODES
     assert as_dict["layers"][0] == {
         "index": 0, "fqn": "model.layers.0", "mode": "full",
-        "recomputed": ("model.layers.0",), "excluded": (), "swap": False,
+        "recomputed": ("model.layers.0",), "excluded": (), "swap": False, "found_by": "declared class",
     }
     assert as_dict["layers"][2]["recomputed"] == ()
     assert json.loads(json.dumps(as_dict))["layers"][3]["recomputed"] == ["model.layers.3"]
-    assert plan.layers[3] == hyperac.LayerPlan(3, "model.layers.3", "selective", ("model.layers.3",), ())
+    assert plan.layers[3] == hyperac.LayerPlan(
+        3, "model.layers.3", "selective", ("model.layers.3",), (), found_by="declared class"
+    )
     hyperac.remove(model)
 
 

@@ -340,6 +340,7 @@ def test_vision_language_plan_per_tower(qwen2_vl):
 # --- Plain PyTorch ----------------------------------------------------------------------------------------
 
 
-def test_plain_model_without_container_option_is_rejected_with_a_hint():
-    with pytest.raises(hyperac.UnsupportedModelError, match="layers='model.blocks'"):
-        hyperac.apply(tiny_blocks_model(), backend="cpu")
+def test_plain_model_found_without_container_option():
+    model = tiny_blocks_model()
+    plan = hyperac.apply(model, backend="cpu")
+    assert [(layer.fqn, layer.found_by) for layer in plan.layers] == [(f"blocks.{i}", "structure") for i in range(3)]
