@@ -183,14 +183,16 @@ class _Rules:
             inner = self.classify(block, name, child, single=True)
             if (
                 inner is not None and inner.parameters() >= _STAGE_SHARE * total > 0
-                and not any(_leaf_only(_unwrap(module)[0]) for _, module in inner.blocks)
+                and not any(_unit(_unwrap(module)[0]) for _, module in inner.blocks)
             ):
                 return name, inner
         return None
 
 
-def _leaf_only(module: nn.Module) -> bool:
-    return all(next(child.children(), None) is None for child in module.children())
+def _unit(module: nn.Module) -> bool:
+    """A convolution, norm and activation (or fewer) with nothing inside: too small to be a layer of its own."""
+    children = list(module.children())
+    return len(children) <= 3 and all(next(child.children(), None) is None for child in children)
 
 
 def _walk(
