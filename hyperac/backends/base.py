@@ -50,10 +50,21 @@ _GENERIC_ATTENTION_OPS = (
     "aten::_flex_attention",
 )
 
+# The functional collectives (what DTensor's redistributions and torchtitan's expert dispatch call),
+# their autograd-aware twins, and the in-place c10d collectives behind ``torch.distributed``'s API.
 _GENERIC_COMMUNICATION_OPS = (
     "_c10d_functional::all_to_all_single",
     "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::reduce_scatter_tensor_coalesced",
     "_c10d_functional::all_reduce",
+    "_c10d_functional::all_reduce_coalesced",
+    "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::all_gather_into_tensor_coalesced",
+    "_c10d_functional::broadcast",
+    "_c10d_functional_autograd::all_to_all_single",
+    "_c10d_functional_autograd::reduce_scatter_tensor",
+    "_c10d_functional_autograd::all_gather_into_tensor",
+    "_dtensor::shard_dim_alltoall",
     "c10d::alltoall_base_",
     "c10d::_reduce_scatter_base_",
     "c10d::reduce_scatter_tensor_coalesced_",
