@@ -25,8 +25,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 from parallel_worker import CASES, MICRO_BATCHES, Case
+
+import hyperac
+from hyperac.backends.npu import NpuBackend
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -153,3 +157,51 @@ def test_pipeline_parallel(results, case):
         for offloaded_tensors, offloaded, reloaded in result["stage_swap"]:
             assert offloaded_tensors > 0 and offloaded_tensors % MICRO_BATCHES == 0, result["stage_swap"]
             assert offloaded == reloaded, result["stage_swap"]
+
+
+def test_backends_keep_every_functional_collective():
+    """The collectives DTensor's redistributions and expert dispatch call are kept by every backend's
+    selective policy (NPU adds its fused matmul+collective kernels on top, tested with its stand-in)."""
+    import torch
+
+    import hyperac
+    from hyperac.backends.npu import NpuBackend
+
+    functional = torch.ops._c10d_functional
+    expected = {functional.all_gather_into_tensor.default, functional.all_gather_into_tensor_coalesced.default,
+                functional.reduce_scatter_tensor.default, functional.reduce_scatter_tensor_coalesced.default,
+                functional.all_reduce.default, functional.all_reduce_coalesced.default,
+                functional.all_to_all_single.default, functional.broadcast.default,
+                torch.ops._dtensor.shard_dim_alltoall.default}
+    for backend in (hyperac.get_backend("cpu"), NpuBackend()):
+        assert expected <= backend.communication_ops(), expected - backend.communication_ops()
+
+
+EXAMPLES = WORKER.parents[1] / "examples"
+
+
+def run_example(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+@pytest.mark.dist
+def test_accelerate_example():
+    """examples/accelerate_fsdp2.py under torchrun, two CPU ranks: hyperac applied before prepare, the same
+    losses as without hyperac. On the CPU accelerate runs its DDP path (MULTI_CPU): it enables the FSDP
+    plugin only for accelerator devices."""
+    output = run_example([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(EXAMPLES / "accelerate_fsdp2.py"), "--cpu", "--steps", "2", "--check"])
+    assert "4 layers: 4 selective" in output and "step 1: loss" in output, output
+    assert "max loss difference without hyperac: 0.0" in output, output
+
+
+@pytest.mark.dist
+def test_trl_sft_example():
+    """examples/trl_sft.py: SFTTrainer with HyperACCallback (TRL turns HF's recompute on by default; the
+    callback replaces it), the same losses as SFTTrainer without hyperac."""
+    pytest.importorskip("trl")
+    output = run_example([sys.executable, str(EXAMPLES / "trl_sft.py"), "--steps", "3", "--check"])
+    assert "2 layers: 2 selective" in output and "step 2: loss" in output, output
+    assert "max loss difference without hyperac: 0.0" in output, output

@@ -50,8 +50,9 @@ _GENERIC_ATTENTION_OPS = (
     "aten::_flex_attention",
 )
 
-# The functional collectives (what DTensor's redistributions and torchtitan's expert dispatch call),
-# their autograd-aware twins, and the in-place c10d collectives behind ``torch.distributed``'s API.
+# The functional collectives (what DTensor's redistributions and expert dispatch call; the autograd-aware
+# ``all_to_all_single_autograd`` runs ``_c10d_functional::all_to_all_single`` below autograd, where a
+# dispatch mode sees it) and the in-place c10d collectives behind ``torch.distributed``'s API.
 _GENERIC_COMMUNICATION_OPS = (
     "_c10d_functional::all_to_all_single",
     "_c10d_functional::reduce_scatter_tensor",
@@ -61,9 +62,6 @@ _GENERIC_COMMUNICATION_OPS = (
     "_c10d_functional::all_gather_into_tensor",
     "_c10d_functional::all_gather_into_tensor_coalesced",
     "_c10d_functional::broadcast",
-    "_c10d_functional_autograd::all_to_all_single",
-    "_c10d_functional_autograd::reduce_scatter_tensor",
-    "_c10d_functional_autograd::all_gather_into_tensor",
     "_dtensor::shard_dim_alltoall",
     "c10d::alltoall_base_",
     "c10d::_reduce_scatter_base_",
