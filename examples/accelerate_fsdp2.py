@@ -7,8 +7,8 @@ Order: ``hyperac.apply`` on the model first, then ``accelerator.prepare``, which
 ``fully_shard`` on each decoder layer and on the root (hyperac's override sits inside FSDP2's
 hooks, so the replay repeats no all-gather). Leave the plugin's ``activation_checkpointing`` off:
 hyperac does that part. On the CPU accelerate (1.15) ignores the FSDP plugin and runs its DDP path
-(``MULTI_CPU``: it enables FSDP only for accelerator devices); the order of calls is the same. ``--check`` also trains an un-applied copy and prints the largest loss
-difference (0 expected). The model is built from a config (nothing is downloaded).
+(``MULTI_CPU``: it enables FSDP only for accelerator devices); the order of calls is the same.
+``--check`` also trains an un-applied copy and prints the largest loss difference (0 expected). The model is built from a config (nothing is downloaded).
 """
 
 from __future__ import annotations

@@ -162,11 +162,6 @@ def test_pipeline_parallel(results, case):
 def test_backends_keep_every_functional_collective():
     """The collectives DTensor's redistributions and expert dispatch call are kept by every backend's
     selective policy (NPU adds its fused matmul+collective kernels on top, tested with its stand-in)."""
-    import torch
-
-    import hyperac
-    from hyperac.backends.npu import NpuBackend
-
     functional = torch.ops._c10d_functional
     expected = {functional.all_gather_into_tensor.default, functional.all_gather_into_tensor_coalesced.default,
                 functional.reduce_scatter_tensor.default, functional.reduce_scatter_tensor_coalesced.default,
