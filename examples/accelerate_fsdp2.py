@@ -8,7 +8,8 @@ Order: ``hyperac.apply`` on the model first, then ``accelerator.prepare``, which
 hooks, so the replay repeats no all-gather). Leave the plugin's ``activation_checkpointing`` off:
 hyperac does that part. On the CPU accelerate (1.15) ignores the FSDP plugin and runs its DDP path
 (``MULTI_CPU``: it enables FSDP only for accelerator devices); the order of calls is the same.
-``--check`` also trains an un-applied copy and prints the largest loss difference (0 expected). The model is built from a config (nothing is downloaded).
+``--check`` also trains an un-applied copy and prints the largest loss difference (0 expected).
+The model is built from a config (nothing is downloaded).
 """
 
 from __future__ import annotations
