@@ -200,3 +200,13 @@ def test_trl_sft_example():
     output = run_example([sys.executable, str(EXAMPLES / "trl_sft.py"), "--steps", "3", "--check"])
     assert "2 layers: 2 selective" in output and "step 2: loss" in output, output
     assert "max loss difference without hyperac: 0.0" in output, output
+
+
+def test_torchtitan_llama3_debug_model():
+    """examples/torchtitan_llama3.py: HyperACRecompute as torchtitan's ac_config inside its parallelize_llama
+    (before fully_shard; blocks keep their class, nothing is wrapped) gives the losses of torchtitan's own
+    SelectiveAC and of no AC, bitwise. Needs torchtitan (tox -e torchtitan: torch 2.14)."""
+    pytest.importorskip("torchtitan")
+    output = run_example([sys.executable, str(EXAMPLES / "torchtitan_llama3.py"), "--steps", "2", "--check"])
+    assert "6 layers: 6 selective | FSDPLlama3TransformerBlock" in output, output
+    assert "max loss difference: 0.0" in output, output
