@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import sys
 import traceback
 from typing import Any
@@ -150,9 +151,10 @@ class Collectives:
     def result(self) -> dict[str, Any]:
         total = _named(self.mode.get_comm_counts())
         backward = {op: n - self.forward.get(op, 0) for op, n in total.items() if n - self.forward.get(op, 0)}
-        layers = {name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]: _named(counts["forward"])
-                  for name, counts in self.mode.comm_module_counts.items()
-                  if name.rsplit(".", 2)[-2:-1] == ["layers"]}
+        layers = {}
+        for name, counts in self.mode.comm_module_counts.items():  # names like "LlamaForCausalLM.model.layers.0"
+            if (layer := re.search(r"layers\.\d+$", name)) is not None:
+                layers[layer.group()] = _named(counts["forward"])
         return {"forward": self.forward, "backward": backward, "layer_forward": layers}
 
 
