@@ -13,7 +13,14 @@ from .adapters import Adapter, register_adapter, unregister_adapter
 from .api import applied_plan, apply, estimate, remove, swap_stats
 from .backends import Backend, available_backends, get_backend, register_backend
 from .config import Config
-from .errors import BackendUnavailableError, ConfigError, HyperACError, HyperACWarning, UnsupportedModelError
+from .errors import (
+    BackendUnavailableError,
+    ConfigError,
+    HyperACError,
+    HyperACWarning,
+    RecomputeMismatchError,
+    UnsupportedModelError,
+)
 from .plan import LayerPlan, Plan
 from .swap import SwapStats
 
@@ -29,6 +36,7 @@ __all__ = [
     "HyperACWarning",
     "LayerPlan",
     "Plan",
+    "RecomputeMismatchError",
     "SwapStats",
     "UnsupportedModelError",
     "applied_plan",

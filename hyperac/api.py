@@ -160,7 +160,6 @@ def apply(
     backend: Any = _UNSET,
     layers: Any = _UNSET,
     compile: bool = _UNSET,
-    allow_cache_entry_mutation: bool = _UNSET,
     swap_inputs: bool = _UNSET,
     swap_selective_outputs: bool = _UNSET,
     min_swap_bytes: int = _UNSET,
@@ -190,8 +189,7 @@ def apply(
     """
     config = resolve_config(
         config,
-        dict(mode=mode, backend=backend, layers=layers, compile=compile,
-             allow_cache_entry_mutation=allow_cache_entry_mutation, swap_inputs=swap_inputs,
+        dict(mode=mode, backend=backend, layers=layers, compile=compile, swap_inputs=swap_inputs,
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
              host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter),
     )
@@ -266,8 +264,8 @@ def _install(
             continue
         roots, excluded = regions[layer.fqn]
         context_fn = build_context_fn(
-            mode, ops, compile=config.compile, allow_cache_entry_mutation=config.allow_cache_entry_mutation,
-            has_exclusions=bool(excluded), swap_outputs=swap and config.swap_selective_outputs,
+            mode, ops, compile=config.compile, has_exclusions=bool(excluded),
+            swap_outputs=swap and config.swap_selective_outputs, layer=layer.fqn, index=index,
         )
         for _, module in excluded:
             if id(module) not in installed:

@@ -173,10 +173,6 @@ class Config:
     """The layers will run under ``torch.compile``: use the stateless selective policy (saves
     every matmul) that the compiler can trace."""
 
-    allow_cache_entry_mutation: bool = False
-    """Selective mode: allow in-place changes to a saved op output (skips PyTorch's version check);
-    only for deterministic in-place rewrites."""
-
     swap_inputs: bool = False
     """Layers that recompute keep their inputs in host memory between forward and backward (copies
     overlap compute; the model's last swapping layer keeps them, its backward comes first)."""
@@ -218,7 +214,7 @@ class Config:
                 f"Config.mode must be one of {', '.join(repr(m) for m in (*MODES, 'auto'))}, got {self.mode!r}; "
                 "e.g. mode='selective'."
             )
-        for field in ("compile", "allow_cache_entry_mutation", "swap_inputs", "swap_selective_outputs"):
+        for field in ("compile", "swap_inputs", "swap_selective_outputs"):
             _check_bool(field, getattr(self, field))
         _check_byte_count("min_swap_bytes", self.min_swap_bytes, allow_none=False)
         _check_byte_count("host_budget_bytes", self.host_budget_bytes, allow_none=True)

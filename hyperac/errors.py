@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "HyperACError",
     "HyperACWarning",
+    "RecomputeMismatchError",
     "UnsupportedModelError",
     "warn_once",
 ]
@@ -32,6 +33,11 @@ class BackendUnavailableError(HyperACError, RuntimeError):
 
 class UnsupportedModelError(HyperACError, TypeError):
     """The model has nothing hyperac can recompute, or is in a state hyperac must not touch."""
+
+
+class RecomputeMismatchError(HyperACError, RuntimeError):
+    """A recomputed layer ran other ops in backward than in forward: its forward depends on state
+    that it changes (a counter, an observer), so the recompute cannot reproduce it."""
 
 
 class HyperACWarning(UserWarning):

@@ -25,16 +25,17 @@ import contextvars
 import dataclasses
 import functools
 import importlib
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import checkpoint as torch_recompute
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .backends import Backend, resolve_ops
+from .errors import RecomputeMismatchError
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets"]
 
@@ -82,6 +83,11 @@ def _import_fsdp_ops() -> None:
         importlib.import_module("torch.distributed.fsdp")
 
 
+# What an op is to a policy. The recording and replay modes look each op up once per call, in a
+# per-OpSets table keyed by ``id(op)`` (hashing an OpOverload runs Python code; an int does not).
+_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP = range(5)
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSets:
     """Dispatcher overloads, resolved once per :func:`hyperac.apply`."""
@@ -90,6 +96,38 @@ class OpSets:
     keep: frozenset
     recompute: frozenset
     ignored: frozenset
+    table: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    """``id(op) -> (kind, written arguments, keyed)``, filled as ops are first seen; ids are stable
+    because the table also holds the op (ops are never freed while it exists)."""
+
+    def __reduce__(self) -> tuple:
+        # The table is keyed by ids of this process: a copy or an unpickled OpSets starts empty.
+        return OpSets, (self.matmul, self.keep, self.recompute, self.ignored)
+
+    def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool]:
+        """``(kind, written arguments, keyed)`` of ``op``; cached."""
+        entry = self.table.get(id(op))
+        if entry is not None:
+            return entry[0]
+        if op in self.ignored or op in torch_recompute.SAC_IGNORED_OPS:
+            kind = _IGNORED
+        elif op in self.recompute:
+            kind = _RECOMPUTE
+        elif op in self.matmul:
+            kind = _MATMUL
+        elif op in self.keep:
+            kind = _KEEP
+        else:
+            kind = _OTHER
+        schema = getattr(op, "_schema", None)
+        writes = () if schema is None or not schema.is_mutable else tuple(
+            (position, argument.name)
+            for position, argument in enumerate(schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        )
+        info = (kind, writes, isinstance(op, torch._ops.HigherOrderOperator))
+        self.table[id(op)] = (info, op)
+        return info
 
 
 def resolve_op_sets(backend: Backend) -> OpSets:
@@ -110,46 +148,37 @@ def resolve_op_sets(backend: Backend) -> OpSets:
 class SelectivePolicy:
     """The eager policy of one region invocation: its matmul counter starts at zero.
 
-    torch calls the policy only in forward; the recompute replays the decisions stored then, so
-    forward and replay always agree.
+    The policy decides only in forward; the replay follows the decisions recorded then, so forward
+    and replay always agree.
     """
 
-    def __init__(
-        self, ops: OpSets, on_save: Callable[[torch.Tensor], None] | None = None, mode: str = "selective"
-    ) -> None:
+    def __init__(self, ops: OpSets, mode: str = "selective") -> None:
         self.ops = ops
         self.num_matmuls = 0
-        self.on_save = on_save
         self.keep_every_matmul = mode == "pointwise"
         self.kept_parity = 0 if mode == "selective-even" else 1
 
-    def decide(self, op: Any) -> CheckpointPolicy:
-        if op in self.ops.recompute:
-            return CheckpointPolicy.MUST_RECOMPUTE
-        if op in self.ops.matmul:
+    def keeps(self, kind: int) -> bool:
+        """Whether the next op of ``kind`` (see :meth:`OpSets.classify`) keeps its output."""
+        if kind == _MATMUL:
             self.num_matmuls += 1
-            keep = self.keep_every_matmul or self.num_matmuls % 2 == self.kept_parity
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-        if op in self.ops.keep:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+            return self.keep_every_matmul or self.num_matmuls % 2 == self.kept_parity
+        return kind == _KEEP
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        decision = self.decide(op)
-        if self.on_save is not None and decision is CheckpointPolicy.MUST_SAVE:
-            for value in tree_leaves(ctx.op_output):
-                if isinstance(value, torch.Tensor):
-                    self.on_save(value)
-        return decision
+        """The decision for ``op`` in PyTorch's policy-function form."""
+        kind = self.ops.classify(op)[0]
+        if self.keeps(kind):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_RECOMPUTE if kind == _RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def stateless_policy(ops: OpSets, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The ``compile=True`` policy: no counters, so it keeps every matmul."""
-    if op in ops.recompute:
+    kind = ops.classify(op)[0]
+    if kind == _RECOMPUTE:
         return CheckpointPolicy.MUST_RECOMPUTE
-    if op in ops.matmul or op in ops.keep:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if kind >= _MATMUL else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # Set while a module that a recompute region excludes runs its forward: its ops are neither
@@ -158,107 +187,201 @@ bypass_replay: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperac_by
 
 
 _storage_key = getattr(torch_recompute, "_sac_storage_key", lambda func, args: func)
+_CONSUMED = object()
 
 
-def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors ``func`` writes to (in-place and ``out=`` arguments)."""
-    schema = func._schema
-    if not schema.is_mutable:
-        return []
-    written = []
-    for position, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = args[position] if position < len(args) else kwargs.get(argument.name)
-            written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return written
+class _Kept:
+    """The output of one op that the policy keeps: detached tensors and the versions they had."""
+
+    __slots__ = ("leaves", "spec", "versions")
+
+    def __init__(self, leaves: list[Any], spec: Any) -> None:
+        self.leaves = leaves
+        self.spec = spec
+        self.versions = [leaf._version if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+
+    def intact(self) -> bool:
+        """No write changed a kept tensor since it was kept (or last replaced by a copy)."""
+        return all(version is None or leaf._version == version for leaf, version in zip(self.leaves, self.versions))
+
+    def value(self) -> Any:
+        return self.leaves[0] if self.spec is None else tree_unflatten(self.leaves, self.spec)
 
 
-class _RecordingMode(torch_recompute._CachingTorchDispatchMode):
-    """PyTorch's recording mode, with a per-policy ignore list and protection of kept outputs.
+class _Tape:
+    """What one region invocation ran in forward, op by op: the key of each op, and per op ``None``
+    (replay runs it), a :class:`_Kept` (replay returns it) or ``_CONSUMED`` (an earlier replay
+    returned it; a later one runs the op again)."""
+
+    __slots__ = ("entries", "index", "keys", "layer")
+
+    def __init__(self, layer: str, index: int | None) -> None:
+        self.keys: list[Any] = []
+        self.entries: list[Any] = []
+        self.layer, self.index = layer, index
+
+
+def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
+    recorded = tape.keys[index] if index < len(tape.keys) else "nothing more"
+    return RecomputeMismatchError(
+        f"hyperac: the recompute of layer {tape.layer!r} diverged from its forward at op {index} of "
+        f"{len(tape.keys)}: the forward ran {recorded}, the recompute ran {ran}. The layer's training forward "
+        "changes state that it branches on (a buffer, counter or attribute updated in forward, such as a "
+        "quantization observer), so running it again takes another path. Leave this layer off: "
+        f"hyperac.apply(model, ..., layers={{{tape.index if tape.index is not None else '<index>'}: 'off'}}) "
+        "(or mode='full', right only if the state the forward branches on is restored before the recompute)."
+    )
+
+
+class _RecordingMode(TorchDispatchMode):
+    """Runs a region's forward, keeping the outputs the policy keeps (on a :class:`_Tape`).
 
     NOTE [Writes into kept outputs]
-    PyTorch detects an in-place change to a kept op output by its version counter. A write through
-    a tensor that shares the storage but not the version counter (``matmul`` on 3-d inputs returns
-    ``_unsafe_view(mm(...))``; ``y += x`` then changes the kept ``mm`` output) goes unnoticed, and
-    the replay would apply the write twice: wrong gradients, no error. So before an op writes to
-    the storage of a kept output, the output is copied. Version counters move after the op returns
-    through the dispatcher, so the copies are settled at the next op (or when the region ends): if
-    the write left the kept tensor's version unchanged, the copy replaces it in the cache. Writes
-    PyTorch does see keep its behaviour (an error, or ``allow_cache_entry_mutation``).
+    An op may write into the output of an earlier kept op: an in-place activation after a
+    convolution or Linear (``SiLU(inplace=True)``), ``x += bias`` after a matmul, or a write through a
+    tensor that shares the storage but not the version counter (``matmul`` on 3-d inputs returns
+    ``_unsafe_view(mm(...))``; ``y += x`` then changes the kept ``mm`` output without PyTorch
+    noticing). The replay runs that write again on what it is given, so it must be given the value
+    the op produced, not the written one. So before an op writes to the storage of a kept output,
+    the kept output is copied and the copy replaces it on the tape (once: the copy is hyperac's own).
+    The op is still not recomputed, and the write runs once per forward and once per replay, as in
+    the un-applied model. A write this mode does not see (after the region returned, or inside an
+    excluded module) changes the kept tensor's version: the replay then runs the op again instead
+    of returning it (NOTE [Replays that cannot use the tape]). So no flag to allow cache mutation is
+    needed, and none exists.
     """
 
-    def __init__(self, policy: Callable, storage: Any, ignored: frozenset) -> None:
-        super().__init__(policy, storage)
-        self.ignored = ignored
-        self.kept_storages: dict[int, list[Any]] = {}
-        self.backups: list[tuple[Any, int, torch.Tensor]] = []
+    def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[[torch.Tensor], None] | None) -> None:
+        super().__init__()
+        self.tape = tape
+        self.policy = policy
+        self.table = policy.ops.table
+        self.on_save = on_save
+        self.kept_storages: dict[int, list[tuple[_Kept, int]]] = {}
 
-    def _settle_backups(self) -> None:
-        for wrapper, version, backup in self.backups:
-            if wrapper.val._version == version:
-                wrapper.val, wrapper.version = backup, backup._version
-        self.backups = []
-
-    def __exit__(self, *exc: Any) -> Any:
-        self._settle_backups()
-        return super().__exit__(*exc)
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self._settle_backups()
-        if func in self.ignored or bypass_replay.get():
+        if kwargs is None:
+            kwargs = {}
+        entry = self.table.get(id(func))
+        kind, writes, keyed = self.policy.ops.classify(func) if entry is None else entry[0]
+        if kind == _IGNORED or bypass_replay.get():
             return func(*args, **kwargs)
-        if self.kept_storages:
-            for tensor in _written_tensors(func, args, kwargs):
-                for wrapper in self.kept_storages.get(tensor.untyped_storage()._cdata, ()):
-                    self.backups.append((wrapper, wrapper.val._version, wrapper.val.clone()))
-        key = _storage_key(func, args)
-        index = self.func_counter[key]
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        entry = self.storage[key].get(index)
-        if entry is not None and entry is not torch_recompute._RECOMPUTE:
-            for wrapper in tree_leaves(entry):
-                if isinstance(getattr(wrapper, "val", None), torch.Tensor):
-                    self.kept_storages.setdefault(wrapper.val.untyped_storage()._cdata, []).append(wrapper)
+        if writes and self.kept_storages:
+            self._copy_before_write(writes, args, kwargs)
+        out = func(*args, **kwargs)
+        self.tape.keys.append(_storage_key(func, args) if keyed else func)
+        self.tape.entries.append(self._keep(out) if kind >= _MATMUL and self.policy.keeps(kind) else None)
         return out
 
+    def _keep(self, out: Any) -> _Kept:
+        leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
+        for position, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                if self.on_save is not None:
+                    self.on_save(leaf)
+                leaves[position] = torch_recompute._detach_helper(leaf)
+        kept = _Kept(leaves, spec)
+        for position, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                self.kept_storages.setdefault(leaf.untyped_storage()._cdata, []).append((kept, position))
+        return kept
 
-class _ReplayMode(torch_recompute._CachedTorchDispatchMode):
-    def __init__(
-        self, storage: Any, allow_cache_entry_mutation: bool, ignored: frozenset, before_replay: Callable | None
-    ) -> None:
-        super().__init__(None, storage, allow_cache_entry_mutation)
-        self.ignored = ignored
+    def _copy_before_write(self, writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
+        for position, name in writes:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            for tensor in tree_leaves(value):
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                for kept, leaf in self.kept_storages.pop(tensor.untyped_storage()._cdata, ()):
+                    copy = kept.leaves[leaf].clone()
+                    kept.leaves[leaf], kept.versions[leaf] = copy, copy._version
+                    if self.on_save is not None:
+                        self.on_save(copy)
+
+
+class _ReplayMode(TorchDispatchMode):
+    """Runs a region's recompute: returns the kept outputs from the tape, runs every other op.
+
+    NOTE [Replays that cannot use the tape]
+    The replay walks the tape in order and checks that each op is the one the forward ran (else
+    :class:`RecomputeMismatchError`: the forward depends on state it changes). A kept output is
+    handed out once and then dropped, so its memory goes as soon as backward is done with it. A
+    second replay of the same region (``backward(retain_graph=True)`` then another backward, or
+    ``autograd.grad(create_graph=True)`` then a backward through the gradients) finds it consumed and
+    runs the op again, as full recompute would; so does any replay of a kept output that a write
+    hyperac did not see has changed (NOTE [Writes into kept outputs]). The op's inputs are the
+    replayed ones, equal to the forward's, so the result is the forward's, bitwise where the op is
+    deterministic.
+    """
+
+    def __init__(self, tape: _Tape, ops: OpSets, before_replay: Callable[[], None] | None) -> None:
+        super().__init__()
+        self.tape = tape
+        self.ops = ops
+        self.table = ops.table
         self.before_replay = before_replay
+        self.cursor = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __enter__(self):
         if self.before_replay is not None:
             self.before_replay()
+        self.cursor = 0
         return super().__enter__()
 
+    def __exit__(self, exc_type, exc_value, traceback):
+        super().__exit__(exc_type, exc_value, traceback)
+        # A replay that stops early (checkpoint's early stop) raises out of the region; one that
+        # ends normally must have run every op the forward ran.
+        if exc_type is None and self.cursor != len(self.tape.keys):
+            raise _mismatch(self.tape, self.cursor, "nothing more")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ignored or bypass_replay.get():
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if kwargs is None:
+            kwargs = {}
+        entry = self.table.get(id(func))
+        kind, _, keyed = self.ops.classify(func) if entry is None else entry[0]
+        if kind == _IGNORED or bypass_replay.get():
+            return func(*args, **kwargs)
+        tape, index = self.tape, self.cursor
+        self.cursor = index + 1
+        key = _storage_key(func, args) if keyed else func
+        if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key):
+            raise _mismatch(tape, index, key)
+        kept = tape.entries[index]
+        if kept is None:
+            return func(*args, **kwargs)
+        tape.entries[index] = _CONSUMED
+        if kept is _CONSUMED or not kept.intact():
+            return func(*args, **kwargs)
+        return kept.value()
 
 
 def selective_contexts(
-    ops: OpSets, allow_cache_entry_mutation: bool, swap_group: Any = None, mode: str = "selective"
+    ops: OpSets, swap_group: Any = None, mode: str = "selective", layer: str = "?", index: int | None = None
 ) -> tuple[Any, Any]:
     """A fresh (forward, recompute) context pair for one region invocation (eager mode).
 
     ``mode``: ``selective`` keeps the odd-numbered matmuls of the region, ``selective-even`` the
-    even-numbered ones, ``pointwise`` all of them (only cheap ops are recomputed).
+    even-numbered ones, ``pointwise`` all of them (only cheap ops are recomputed). ``layer`` and
+    ``index`` (the layer's fqn and flat index) name the layer in errors.
 
     With ``swap_group``, the kept op outputs go to host memory after the layer's forward and
     come back before the replay (NOTE [Swapping selective outputs] in swap.py).
     """
-    storage: Any = defaultdict(dict)
+    tape = _Tape(layer, index)
     on_save = None if swap_group is None else swap_group.register_cached
     before_replay = None if swap_group is None else swap_group.ensure_loaded
     return (
-        _RecordingMode(SelectivePolicy(ops, on_save, mode), storage, ops.ignored),
-        _ReplayMode(storage, allow_cache_entry_mutation, ops.ignored, before_replay),
+        _RecordingMode(tape, SelectivePolicy(ops, mode), on_save),
+        _ReplayMode(tape, ops, before_replay),
     )
 
 

@@ -86,17 +86,13 @@ def _frame_scope(frame: _RegionFrame, replaying: bool):
         _current_frame.reset(token)
 
 
-def _context_fn(
-    mode: str, ops: OpSets, allow_cache_entry_mutation: bool, has_exclusions: bool, swap_outputs: bool
-):
+def _context_fn(mode: str, ops: OpSets, has_exclusions: bool, swap_outputs: bool, layer: str, index: int | None):
     """A ``context_fn`` for ``torch.utils.checkpoint``: fresh contexts per region invocation."""
 
     def make() -> tuple[Any, Any]:
         if mode in SELECTIVE_MODES:
             group = current_group() if swap_outputs else None
-            forward_ctx, replay_ctx = selective_contexts(
-                ops, allow_cache_entry_mutation, group, mode
-            )
+            forward_ctx, replay_ctx = selective_contexts(ops, group, mode, layer, index)
         else:
             forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         if not has_exclusions:
@@ -127,16 +123,20 @@ def build_context_fn(
     ops: OpSets | None,
     *,
     compile: bool,
-    allow_cache_entry_mutation: bool,
     has_exclusions: bool,
     swap_outputs: bool = False,
+    layer: str = "?",
+    index: int | None = None,
 ) -> Callable[[], tuple[Any, Any]] | None:
-    """The ``context_fn`` a region of ``mode`` uses, or ``None`` for PyTorch's default."""
+    """The ``context_fn`` a region of ``mode`` uses, or ``None`` for PyTorch's default.
+
+    ``layer`` and ``index`` (fqn and flat index of the layer the region belongs to) name it in errors.
+    """
     if compile:
         return compile_context_fn(ops) if mode in SELECTIVE_MODES else None
     if mode == "full" and not has_exclusions:
         return None
-    return _context_fn(mode, ops, allow_cache_entry_mutation, has_exclusions, swap_outputs)
+    return _context_fn(mode, ops, has_exclusions, swap_outputs, layer, index)
 
 
 def _training(module: nn.Module) -> bool:

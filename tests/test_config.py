@@ -67,8 +67,6 @@ CONFIG_ERRORS = [
     (dict(compile=1), r"Config\.compile must be a bool .*got 1 of type int"),
     (dict(compile="yes"), r"Config\.compile .*got 'yes' of type str"),
     (dict(compile=None), r"Config\.compile .*got None"),
-    (dict(allow_cache_entry_mutation="yes"), r"Config\.allow_cache_entry_mutation must be a bool .*got 'yes'"),
-    (dict(allow_cache_entry_mutation=0), r"Config\.allow_cache_entry_mutation .*got 0 of type int"),
     # backend of the wrong type
     (dict(backend=True), r"Config\.backend .*got True"),
     (dict(backend=None), r"Config\.backend .*got None"),
