@@ -13,6 +13,8 @@ layer's forward (hidden 64, seq 16, batch 2, 1 thread) in four ways:
 
 Rounds are interleaved (each round runs every configuration once, in a shuffled order), and the
 report is the median over rounds of (time under the mode - bare time) / number of ops, in µs/op.
+Times are the thread's CPU time (``time.thread_time_ns``), so a loaded machine that takes the CPU
+away between ops inflates them less than wall time.
 Run with ``OMP_NUM_THREADS=1``; the numbers are ratios of one process and one run, not targets.
 
     OMP_NUM_THREADS=1 python benchmarks/recording_overhead.py [--rounds 30] [--repeats 20]
@@ -112,10 +114,10 @@ def main() -> int:
 
     def timed(run: Callable[[], None]) -> Callable[[], float]:
         def sample() -> float:
-            start = time.perf_counter_ns()
+            start = time.thread_time_ns()
             for _ in range(a.repeats):
                 run()
-            return (time.perf_counter_ns() - start) / a.repeats / 1e3
+            return (time.thread_time_ns() - start) / a.repeats / 1e3
         return sample
 
     def timed_replay(prepare: Callable[[], Any]) -> Callable[[], float]:
@@ -123,10 +125,10 @@ def main() -> int:
             total = 0
             for _ in range(a.repeats):
                 replay = prepare()
-                start = time.perf_counter_ns()
+                start = time.thread_time_ns()
                 with replay:
                     forward()
-                total += time.perf_counter_ns() - start
+                total += time.thread_time_ns() - start
             return total / a.repeats / 1e3
         return sample
 

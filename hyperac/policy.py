@@ -227,9 +227,9 @@ def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
         f"hyperac: the recompute of layer {tape.layer!r} diverged from its forward at op {index} of "
         f"{len(tape.keys)}: the forward ran {recorded}, the recompute ran {ran}. The layer's training forward "
         "changes state that it branches on (a buffer, counter or attribute updated in forward, such as a "
-        "quantization observer), so running it again takes another path. Leave this layer off: "
-        f"hyperac.apply(model, ..., layers={{{tape.index if tape.index is not None else '<index>'}: 'off'}}) "
-        "(or mode='full', right only if the state the forward branches on is restored before the recompute)."
+        "quantization observer), so running it again takes another path. "
+        "Leave such layers off: hyperac.apply(model, ..., "
+        f"layers={{{tape.index if tape.index is not None else '<index>'}: 'off'}}) for this one."
     )
 
 
