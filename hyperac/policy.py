@@ -17,6 +17,14 @@ the rest:
   accounting, so an FSDP unshard that happens outside the region in forward and inside it in
   recompute does not shift the op stream. The ignore list belongs to each policy; PyTorch's
   process-wide ``SAC_IGNORED_OPS`` is left as it is.
+
+In eager mode hyperac records and replays with its own dispatch modes (``_RecordingMode``,
+``_ReplayMode``) on PyTorch's ``checkpoint(context_fn=...)``, rather than PyTorch's selective
+checkpoint modes: a replay checks each op against the forward, survives a second backward, and
+replays writes into kept outputs once (NOTE [Writes into kept outputs], NOTE [Replays that cannot
+use the tape]); and it costs less per op. ``compile=True`` uses PyTorch's modes, which the compiler
+understands. Private torch internals used: ``_detach_helper``, ``SAC_IGNORED_OPS``,
+``_sac_storage_key`` (for compiled regions inside an eager region).
 """
 
 from __future__ import annotations
