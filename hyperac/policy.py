@@ -311,6 +311,21 @@ class _RecordingMode(TorchDispatchMode):
                         self.on_save(copy)
 
 
+_CONSTANT_OPS = ("aten::lift_fresh", "aten::lift_fresh_copy", "aten::scalar_tensor")
+
+
+def _creates_constant(op: Any) -> bool:
+    """``op`` makes a new tensor from Python values only (``torch.tensor(...)``, ``torch.zeros(...)``)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    return schema.name in _CONSTANT_OPS or not any(
+        isinstance(argument.type, (torch.TensorType, torch.ListType, torch.OptionalType))
+        and "Tensor" in str(argument.type)
+        for argument in schema.arguments
+    )
+
+
 class _ReplayMode(TorchDispatchMode):
     """Runs a region's recompute: returns the kept outputs from the tape, runs every other op.
 
@@ -348,8 +363,25 @@ class _ReplayMode(TorchDispatchMode):
         super().__exit__(exc_type, exc_value, traceback)
         # A replay that stops early (checkpoint's early stop) raises out of the region; one that
         # ends normally must have run every op the forward ran.
-        if exc_type is None and self.cursor != len(self.tape.keys):
+        if exc_type is None and any(isinstance(kept, _Kept) for kept in self.tape.entries[self.cursor:]):
             raise _mismatch(self.tape, self.cursor, "nothing more")
+
+    def _realign(self, key: Any) -> int:
+        """The tape position of ``key``, which is not the op at the cursor.
+
+        A forward may run ops its replay does not: a lazily computed constant cached on the module
+        (``if self.dim_sqrt is None: self.dim_sqrt = torch.tensor(...).sqrt()``, HF ibert). Such a
+        run of ops starts from a new constant and keeps nothing, so the replay skips it. Anything
+        else is a divergence.
+        """
+        tape, start = self.tape, self.cursor
+        if start < len(tape.keys) and _creates_constant(tape.keys[start]):
+            for position in range(start, len(tape.keys)):
+                if tape.entries[position] is not None:
+                    break
+                if tape.keys[position] is key or tape.keys[position] == key:
+                    return position
+        raise _mismatch(tape, start, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -359,10 +391,10 @@ class _ReplayMode(TorchDispatchMode):
         if kind == _IGNORED or bypass_replay.get():
             return func(*args, **kwargs)
         tape, index = self.tape, self.cursor
-        self.cursor = index + 1
         key = _storage_key(func, args) if keyed else func
         if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key):
-            raise _mismatch(tape, index, key)
+            index = self._realign(key)
+        self.cursor = index + 1
         kept = tape.entries[index]
         if kept is None:
             return func(*args, **kwargs)

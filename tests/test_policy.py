@@ -358,3 +358,28 @@ def test_stateful_forward_raises_a_clear_error_naming_the_layer(mode):
                        r"the recompute ran aten\.sin\.default.*layers=\{2: 'off'\}"):
         train_step(model, loss_fn)
     assert issubclass(hyperac.RecomputeMismatchError, RuntimeError)
+
+
+class LazyConstantBlock(nn.Module):
+    """Computes a constant on its first forward and caches it (HF ibert's `IntLayerNorm.dim_sqrt`):
+    the replay does not run those ops, and need not."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+        self.scale = None
+
+    def forward(self, x):
+        h = self.proj(x)
+        if self.scale is None:
+            self.scale = torch.tensor(float(x.shape[-1])).sqrt()
+        return x + self.out((h / self.scale).tanh()).tanh()
+
+
+@pytest.mark.parametrize("mode", SELECTIVE)
+def test_forward_only_lazy_constant_is_not_a_divergence(mode):
+    model, loss_fn = Stack(LazyConstantBlock), _flat_loss()
+    reference = train_step(copy.deepcopy(model), loss_fn)
+    hyperac.apply(model, mode=mode, layers="blocks", backend="cpu")
+    assert_parity(reference, train_step(model, loss_fn))
