@@ -198,15 +198,36 @@ _storage_key = getattr(torch_recompute, "_sac_storage_key", lambda func, args: f
 _CONSUMED = object()
 
 
+RngStates = tuple[torch.Tensor, list[tuple[torch.device, torch.Tensor]]]
+
+
+def rng_states(*values: Any) -> RngStates:
+    """The CPU RNG state and that of every accelerator holding a tensor in ``values``."""
+    devices: list[torch.device] = []
+    for leaf in tree_leaves(values):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta") and leaf.device not in devices:
+            devices.append(leaf.device)
+    return torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices]
+
+
+def set_rng_states(states: RngStates) -> None:
+    """Undo the RNG draws made since :func:`rng_states` returned ``states``."""
+    cpu_state, device_states = states
+    torch.set_rng_state(cpu_state)
+    for device, state in device_states:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
 class _Kept:
     """The output of one op that the policy keeps: detached tensors and the versions they had."""
 
-    __slots__ = ("leaves", "spec", "versions")
+    __slots__ = ("leaves", "rng", "spec", "versions")
 
-    def __init__(self, leaves: list[Any], spec: Any) -> None:
+    def __init__(self, leaves: list[Any], spec: Any, rng: RngStates | None) -> None:
         self.leaves = leaves
         self.spec = spec
         self.versions = [leaf._version if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+        self.rng = rng
 
     def intact(self) -> bool:
         """No write changed a kept tensor since it was kept (or last replaced by a copy)."""
@@ -282,17 +303,21 @@ class _RecordingMode(TorchDispatchMode):
             self._copy_before_write(writes, args, kwargs)
         out = func(*args, **kwargs)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
-        self.tape.entries.append(self._keep(out) if kind >= _MATMUL and self.policy.keeps(kind) else None)
+        self.tape.entries.append(self._keep(func, out) if kind >= _MATMUL and self.policy.keeps(kind) else None)
         return out
 
-    def _keep(self, out: Any) -> _Kept:
+    def _keep(self, func: Any, out: Any) -> _Kept:
+        # NOTE [Kept ops that draw random numbers]: an attention kernel with dropout advances the
+        # RNG; the replay does not run it, so it sets the RNG to where the forward left it, and a
+        # dropout after it draws the forward's mask.
+        rng = rng_states(out) if torch.Tag.nondeterministic_seeded in func.tags else None
         leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 if self.on_save is not None:
                     self.on_save(leaf)
                 leaves[position] = torch_recompute._detach_helper(leaf)
-        kept = _Kept(leaves, spec)
+        kept = _Kept(leaves, spec, rng)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 self.kept_storages.setdefault(leaf.untyped_storage()._cdata, []).append((kept, position))
@@ -401,6 +426,8 @@ class _ReplayMode(TorchDispatchMode):
         tape.entries[index] = _CONSUMED
         if kept is _CONSUMED or not kept.intact():
             return func(*args, **kwargs)
+        if kept.rng is not None:
+            set_rng_states(kept.rng)  # NOTE [Kept ops that draw random numbers]
         return kept.value()
 
 

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_recompute
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from .config import SELECTIVE_MODES
-from .policy import OpSets, bypass_replay, compile_context_fn, selective_contexts
+from .policy import OpSets, bypass_replay, compile_context_fn, rng_states, selective_contexts, set_rng_states
 from .swap import LayerSwap, current_group
 
 __all__ = ["build_context_fn", "install_exclusion", "install_recompute", "install_swap", "restore_forward"]
@@ -197,22 +197,6 @@ def _replayed(value: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
 
 
-def _rng_states(*values: Any) -> tuple[torch.Tensor, list[tuple[torch.device, torch.Tensor]]]:
-    """The CPU RNG state and that of every accelerator holding a tensor in ``values``."""
-    devices: list[torch.device] = []
-    for leaf in tree_leaves(values):
-        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta") and leaf.device not in devices:
-            devices.append(leaf.device)
-    return torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices]
-
-
-def _set_rng_states(states: tuple[torch.Tensor, list[tuple[torch.device, torch.Tensor]]]) -> None:
-    cpu_state, device_states = states
-    torch.set_rng_state(cpu_state)
-    for device, state in device_states:
-        torch.get_device_module(device.type).set_rng_state(state, device)
-
-
 def install_exclusion(module: nn.Module) -> Any:
     """Keep ``module`` out of the replay of the region around it (NOTE [Excluded modules]).
 
@@ -227,8 +211,8 @@ def install_exclusion(module: nn.Module) -> Any:
             return call(*args, **kwargs)
         queue = frame.outputs[id(self)]
         if frame.replaying:
-            output, rng_states = queue.popleft()
-            _set_rng_states(rng_states)
+            output, states = queue.popleft()
+            set_rng_states(states)
             return _replayed(output)
         token = bypass_replay.set(True)
         try:
@@ -236,7 +220,7 @@ def install_exclusion(module: nn.Module) -> Any:
                 output = call(*args, **kwargs)
         finally:
             bypass_replay.reset(token)
-        queue.append((output, _rng_states(args, kwargs, output)))
+        queue.append((output, rng_states(args, kwargs, output)))
         return output
 
     module.forward = types.MethodType(excluded_forward, module)

@@ -383,3 +383,57 @@ def test_forward_only_lazy_constant_is_not_a_divergence(mode):
     reference = train_step(copy.deepcopy(model), loss_fn)
     hyperac.apply(model, mode=mode, layers="blocks", backend="cpu")
     assert_parity(reference, train_step(model, loss_fn))
+
+
+# ---------------------------------------------------------------------------------------------
+# NOTE [Kept ops that draw random numbers]
+
+
+@torch.library.custom_op("hyperac_test::noisy_scale", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def noisy_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stands in for an attention kernel with dropout (CUDA flash attention): it draws random numbers."""
+    mask = (torch.rand_like(x) > 0.5).to(x.dtype) * 2
+    return x * mask, mask
+
+
+def _noisy_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _noisy_backward(ctx, grad, grad_mask):
+    return grad * ctx.saved_tensors[0]
+
+
+noisy_scale.register_autograd(_noisy_backward, setup_context=_noisy_setup)
+
+
+def test_kept_op_that_draws_random_numbers_leaves_the_rng_where_the_forward_did():
+    """The replay returns the kept op's output without running it; a dropout after it must still
+    draw the forward's mask."""
+    from hyperac.backends import get_backend
+    from hyperac.policy import resolve_op_sets, selective_contexts
+
+    ops = resolve_op_sets(get_backend("cpu"))
+    ops = type(ops)(ops.matmul, ops.keep | {torch.ops.hyperac_test.noisy_scale.default}, ops.recompute, ops.ignored)
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+
+    def region(x):
+        h, _ = noisy_scale(layer(x).tanh())
+        return nn.functional.dropout(h.sin(), 0.5, training=True)
+
+    def step(recompute: bool):
+        layer.zero_grad()
+        torch.manual_seed(1)
+        if recompute:
+            out = torch.utils.checkpoint.checkpoint(
+                region, x, use_reentrant=False, context_fn=lambda: selective_contexts(ops)
+            )
+        else:
+            out = region(x)
+        out.pow(2).sum().backward()
+        return out.detach(), {"weight": layer.weight.grad.clone(), "bias": layer.bias.grad.clone()}
+
+    reference = step(recompute=False)
+    assert_parity(reference, step(recompute=True))
