@@ -10,9 +10,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from . import _hf
 from .adapters import Adapter, find_adapter, resolve_regions
@@ -21,9 +19,8 @@ from .buffers import BufferSnapshots
 from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError, warn_once
-from .measure import ActivationMeter
 from .plan import LayerPlan, Plan, assign_modes, reversible_note
-from .planner import Estimate, choose_modes, parse_budget, profile
+from .planner import Estimate, auto_modes, estimate_layers, install_first_step_check, remove_first_step_check
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap, restore_forward
 from .swap import LayerSwap, SwapManager, SwapStats
@@ -200,7 +197,8 @@ def apply(
     if config.plan is not None:
         modes = _modes_from_plan(config.plan, found)
     elif config.mode == "auto":
-        modes, prediction = _auto_modes(model, found, config, chosen_backend)
+        modes, prediction = auto_modes(model, found, config.budget, config.sample,
+                                       _uniform_runner(chosen_backend, config.adapter), chosen_backend)
     else:
         modes = assign_modes(found, config)
     _check_wrapped(found, modes)
@@ -233,7 +231,8 @@ def apply(
             finalizer = weakref.finalize(model, manager.release)
             undo.append(finalizer)
         if result.predicted_bytes is not None:
-            _verify_first_step(model, result.predicted_bytes, undo)
+            install_first_step_check(model, result.predicted_bytes)
+            undo.append(lambda: remove_first_step_check(model))
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:
@@ -286,90 +285,33 @@ def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
     return [layer.mode for layer in plan.layers]
 
 
-def _uniform_runner(model: nn.Module, found: list[Layer], backend: Backend, adapter: Any) -> Callable:
-    """``mode -> undo``: apply one mode to every layer of ``found`` (for profiling)."""
-    containers = list(dict.fromkeys(layer.container for layer in found))
+def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
+    """``runner(model, containers)(mode) -> undo``: apply one mode to every layer (for profiling)."""
 
-    def run(mode: str) -> Callable[[], None]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", HyperACWarning)
-            apply(model, mode=mode, backend=backend, layers=containers, adapter=adapter)
-        return lambda: remove(model)
+    def for_model(model: nn.Module, containers: list[str] | None) -> Callable[[str], Callable[[], None]]:
+        def run(mode: str) -> Callable[[], None]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", HyperACWarning)
+                apply(model, mode=mode, backend=backend, layers=containers, adapter=adapter)
+            return lambda: remove(model)
 
-    return run
+        return run
 
-
-def _auto_modes(model: nn.Module, found: list[Layer], config: Config, backend: Backend) -> tuple[list[str], dict]:
-    estimate_ = profile(
-        model, config.sample, found, _uniform_runner(model, found, backend, config.adapter), backend.device_type
-    )
-    budget = parse_budget(config.budget, estimate_.total_bytes(["off"] * len(found)))
-    modes = choose_modes(estimate_, budget)
-    return modes, {
-        "predicted_bytes": estimate_.total_bytes(modes),
-        "predicted_recompute_flops": estimate_.total_recompute_flops(modes),
-        "budget_bytes": budget,
-    }
+    return for_model
 
 
-def _first_grad_fn(output: Any) -> Any:
-    loss = getattr(output, "loss", None)
-    candidates = [loss] if isinstance(loss, torch.Tensor) else []
-    candidates += [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-    return next((t.grad_fn for t in candidates if t.grad_fn is not None), None)
-
-
-def _verify_first_step(model: nn.Module, predicted: int, undo: list[Callable[[], None]]) -> None:
-    """Measure the activation bytes alive when the first training step's backward starts; warn if
-    they miss the prediction by more than 10%. One-shot: the hooks remove themselves."""
-    meters: list[ActivationMeter] = []
-
-    def compare() -> None:
-        measured = meters[0].alive_bytes()
-        if abs(measured - predicted) > 0.1 * predicted:
-            warnings.warn(
-                f"the first step kept {measured} activation bytes ({measured / 2**20:.1f} MiB) but the plan "
-                f"predicted {predicted} ({predicted / 2**20:.1f} MiB), a miss of more than 10%; the sample given "
-                "to mode='auto' may not match the training batches.",
-                HyperACWarning, stacklevel=2,
-            )
-
-    def before(module: nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled() and not meters:
-            meters.append(ActivationMeter())
-            meters[0].__enter__()
-
-    def after(module: nn.Module, args: Any, output: Any) -> None:
-        if not meters or not meters[0]._recording:
-            return
-        meters[0].mark_backward()
-        meters[0].__exit__(None, None, None)
-        for handle in handles:
-            handle.remove()
-        grad_fn = _first_grad_fn(output)
-        if grad_fn is None:
-            return
-
-        # Measured when backward starts, as the estimate is: the outputs the caller drops by then
-        # (logits next to the loss) are not activations.
-        def at_backward(grad_outputs: Any) -> None:
-            handle.remove()
-            compare()
-
-        handle = grad_fn.register_prehook(at_backward)
-
-    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after, always_call=True)]
-    undo.extend(handle.remove for handle in handles)
-
-
-def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: Any = None) -> Estimate:
-    """Profile one step of ``model`` per mode and report, per layer, the activation bytes each mode
-    keeps and the FLOPs it replays. The model is left as it was (gradients, buffers, RNG state).
+def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: Any = None,
+             device: str | None = None) -> Estimate:
+    """Profile one step of ``model`` per mode and report, per layer and mode, the activation bytes
+    kept for backward, the step's peak, the seconds and the FLOPs replayed. The model is left as it
+    was (gradients, buffers, RNG state).
 
     Args:
         model: works on real tensors and on a model built on the ``meta`` device.
         sample: a dict of model keyword arguments for one step, or a callable ``model -> loss``.
         backend, layers: as for :func:`apply` (``layers`` names containers, not modes).
+        device: for a model on ``meta``, the device profile whose roofline gives the seconds
+            (``"h100"``, ``"h200"``, ``"a100"``, ``"910b"``, ``"cpu"``; see ``hyperac.planner.DEVICES``).
 
     Returns:
         An :class:`hyperac.planner.Estimate`; ``print()`` it for a table.
@@ -380,7 +322,7 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
     named_modules = _check_model(model)
     chosen = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    return profile(model, sample, found, _uniform_runner(model, found, chosen, None), chosen.device_type)
+    return estimate_layers(model, sample, found, _uniform_runner(chosen, None), chosen, device)
 
 
 def applied_plan(model: nn.Module) -> Plan | None:

@@ -236,8 +236,8 @@ class Config:
         self._check_swap_needs()
 
     def _check_auto(self) -> None:
+        from .budget import parse_budget
         from .plan import Plan
-        from .planner import parse_budget
 
         if self.mode == "auto":
             if self.budget is None or self.sample is None:

@@ -12,6 +12,9 @@ from .errors import ConfigError
 
 __all__ = ["LayerPlan", "Plan", "assign_modes", "reversible_note"]
 
+_PREDICTIONS = ("predicted_bytes", "predicted_peak_bytes", "predicted_step_seconds", "predicted_recompute_flops",
+                "budget_bytes")
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
@@ -47,7 +50,11 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     notes: tuple[str, ...] = ()
     predicted_bytes: int | None = None
-    """``mode="auto"``: the activation bytes the estimate predicts for this plan."""
+    """``mode="auto"``: the activation bytes the estimate predicts alive when backward starts."""
+    predicted_peak_bytes: int | None = None
+    """``mode="auto"``: the predicted peak of live activation bytes over a step (what the budget bounds)."""
+    predicted_step_seconds: float | None = None
+    """``mode="auto"``: the predicted seconds of one forward and backward."""
     predicted_recompute_flops: int | None = None
     """``mode="auto"``: the FLOPs the estimate predicts it replays in backward per step."""
     budget_bytes: int | None = None
@@ -62,7 +69,7 @@ class Plan:
                              "excluded": tuple(layer.get("excluded", ()))})
                 for layer in data["layers"]
             )
-            fields = {k: data[k] for k in ("predicted_bytes", "predicted_recompute_flops", "budget_bytes") if k in data}
+            fields = {k: data[k] for k in _PREDICTIONS if k in data}
             return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
                        notes=tuple(data.get("notes", ())), **fields)
         except (KeyError, TypeError) as error:
@@ -88,9 +95,7 @@ class Plan:
             "adapter": self.adapter,
             "layers": [layer.to_dict() for layer in self.layers],
             "notes": list(self.notes),
-            "predicted_bytes": self.predicted_bytes,
-            "predicted_recompute_flops": self.predicted_recompute_flops,
-            "budget_bytes": self.budget_bytes,
+            **{name: getattr(self, name) for name in _PREDICTIONS},
         }
 
     def __str__(self) -> str:
@@ -108,9 +113,10 @@ class Plan:
             )
         if self.predicted_bytes is not None:
             lines.append(
-                f"predicted: {self.predicted_bytes / 2**20:.2f} MiB kept for backward (budget "
-                f"{(self.budget_bytes or 0) / 2**20:.2f} MiB), {(self.predicted_recompute_flops or 0) / 1e9:.3f} "
-                "GFLOP replayed per step"
+                f"predicted: peak {(self.predicted_peak_bytes or 0) / 2**20:.2f} MiB (budget "
+                f"{(self.budget_bytes or 0) / 2**20:.2f} MiB), {self.predicted_bytes / 2**20:.2f} MiB kept for "
+                f"backward, {(self.predicted_step_seconds or 0) * 1e3:.1f} ms per step, "
+                f"{(self.predicted_recompute_flops or 0) / 1e9:.3f} GFLOP replayed"
             )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)

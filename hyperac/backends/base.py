@@ -115,6 +115,8 @@ class Backend:
     """Whether moving saved tensors to host memory frees anything (False where they live there)."""
     can_time_waits: ClassVar[bool] = False
     """Whether :meth:`wait` reports how long it waited."""
+    has_memory_stats: ClassVar[bool] = False
+    """Whether :meth:`max_memory_allocated` and friends report the device allocator's real figures."""
 
     @property
     def device_type(self) -> str:
@@ -222,6 +224,7 @@ class DeviceModuleBackend(Backend):
         return self._module().Event()
 
     can_swap: ClassVar[bool] = True
+    has_memory_stats: ClassVar[bool] = True
 
     def supports_pinned_memory(self) -> bool:
         return True

@@ -1,0 +1,159 @@
+"""The cost model: per layer and mode, seconds and bytes; per plan, step time and peak memory.
+
+:class:`Estimate` holds, per layer and per mode, the activation bytes kept for backward, the
+residual peaks of NOTE [Peak phases] (in :mod:`.profile`), the FLOPs replayed, and the seconds
+the layer's forward and backward take. For a plan (one mode per layer) it predicts:
+
+- ``peak_bytes``: the peak of live activation memory over the step, what ``budget=`` bounds;
+- ``total_bytes``: the bytes kept when backward starts (the smaller, older measure);
+- ``step_seconds``: the step's time, the sum of the layers' times under their modes and the time
+  outside the layers.
+
+Seconds are measured on real tensors (the layers timed at their boundaries, without the profiler:
+everything a mode costs, its dispatch overhead included). On ``meta`` they are a roofline on a
+:class:`~hyperac.planner.devices.DeviceProfile` plus the host cost per op measured on this host
+(:mod:`.dispatch`): eager ops, and for selective modes each recorded and replayed op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from .devices import DeviceProfile
+from .dispatch import HostCosts
+from .profile import ModeProfile
+
+__all__ = ["ESTIMATE_MODES", "Estimate", "LayerEstimate", "build_estimate"]
+
+ESTIMATE_MODES = ("off", "pointwise", "selective", "selective-even", "full")
+_RECORDING_MODES = ("pointwise", "selective", "selective-even")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerEstimate:
+    """One layer's cost under each mode."""
+
+    index: int
+    fqn: str
+    kept_bytes: dict[str, int]
+    """Activation bytes this layer keeps between forward and backward, per mode."""
+    recompute_flops: dict[str, int]
+    """FLOPs this layer replays in backward, per mode."""
+    swap_bytes: int
+    """Bytes a swap of this layer would move each way (what it keeps with no recompute)."""
+    forward_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Live bytes during its forward beyond the layers before it (NOTE [Peak phases])."""
+    backward_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Live bytes during its backward (replay and activation gradients included) beyond the
+    layers before it."""
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Forward plus backward seconds, per mode."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Per-layer costs of every mode, plus what lives outside the layers."""
+
+    layers: tuple[LayerEstimate, ...]
+    outside_bytes: int
+    """Activation bytes outside the layers kept at backward start: embeddings, final norm, loss."""
+    base_flops: int
+    """Forward plus backward FLOPs with nothing recomputed."""
+    outside_peak_bytes: tuple[int, ...] = ()
+    """Live bytes of ops outside the layers beyond the kept bytes of the first ``k`` layers, for
+    ``k = 0..len(layers)`` (embeddings: 0 layers behind; logits and loss: all of them)."""
+    outside_seconds: float = 0.0
+    """Seconds outside the layers: embeddings, head, loss, optimizer-free backward of those."""
+    timing: str = ""
+    """Where the seconds come from: measured on a backend, or a roofline on a device profile."""
+
+    def total_bytes(self, modes: Sequence[str]) -> int:
+        """Predicted activation bytes kept when backward starts, with these per-layer modes."""
+        return self.outside_bytes + sum(layer.kept_bytes[m] for layer, m in zip(self.layers, modes))
+
+    def peak_bytes(self, modes: Sequence[str]) -> int:
+        """Predicted peak of live activation bytes over the step (NOTE [Peak phases])."""
+        behind, peak = 0, 0
+        for position, (layer, mode) in enumerate(zip(self.layers, modes)):
+            peak = max(peak, behind + self._outside(position),
+                       behind + layer.forward_peak_bytes[mode], behind + layer.backward_peak_bytes[mode])
+            behind += layer.kept_bytes[mode]
+        return max(peak, behind + self._outside(len(self.layers)))
+
+    def _outside(self, behind: int) -> int:
+        return self.outside_peak_bytes[behind] if self.outside_peak_bytes else 0
+
+    def step_seconds(self, modes: Sequence[str]) -> float:
+        """Predicted seconds of one forward and backward with these per-layer modes."""
+        return self.outside_seconds + sum(layer.seconds[m] for layer, m in zip(self.layers, modes))
+
+    def total_recompute_flops(self, modes: Sequence[str]) -> int:
+        """Predicted FLOPs replayed in backward with these per-layer modes."""
+        return sum(layer.recompute_flops[m] for layer, m in zip(self.layers, modes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        head = f"{'#':>4}  {'layer':<24}" + "".join(f"  {m + ' MiB/ms':>22}" for m in ESTIMATE_MODES)
+        lines = [head]
+        for layer in self.layers:
+            row = f"{layer.index:>4}  {layer.fqn:<24}"
+            for mode in ESTIMATE_MODES:
+                cell = f"{layer.kept_bytes[mode] / 2**20:.2f}/{layer.seconds.get(mode, 0.0) * 1e3:.2f}"
+                row += f"  {cell:>22}"
+            lines.append(row)
+        lines.append("(MiB kept for backward / ms forward+backward, per layer)")
+        for mode in ESTIMATE_MODES:
+            modes = [mode] * len(self.layers)
+            lines.append(
+                f"all {mode:<14} peak {self.peak_bytes(modes) / 2**20:>10.2f} MiB, "
+                f"kept {self.total_bytes(modes) / 2**20:>10.2f} MiB, step {self.step_seconds(modes) * 1e3:>9.2f} ms, "
+                f"{self.total_recompute_flops(modes) / 1e9:>10.3f} GFLOP replayed"
+            )
+        lines.append(f"outside the layers (embeddings, logits, loss): {self.outside_bytes / 2**20:.2f} MiB kept; "
+                     f"step without recompute: {self.base_flops / 1e9:.3f} GFLOP; times: {self.timing}")
+        return "\n".join(lines)
+
+
+def _layer_seconds(position: int, mode: str, profiles: dict[str, ModeProfile], device: DeviceProfile | None,
+                   host: HostCosts | None) -> float:
+    profile = profiles[mode]
+    if device is None:
+        return profile.seconds.get(position, 0.0)
+    ops = profile.forward_ops.get(position, 0) + profile.backward_ops.get(position, 0)
+    host_seconds = ops * host.per_op
+    if mode in _RECORDING_MODES:
+        host_seconds += profile.forward_ops.get(position, 0) * host.per_recorded_op
+    device_seconds = device.seconds(profile.work.get(position, ()))
+    return max(device_seconds, host_seconds) if device.asynchronous else device_seconds + host_seconds
+
+
+def build_estimate(layers: Sequence[Any], profiles: dict[str, ModeProfile], device: DeviceProfile | None = None,
+                   host: HostCosts | None = None, timing: str = "") -> Estimate:
+    """An :class:`Estimate` from uniform-mode profiles; seconds measured (``device=None``) or a
+    roofline on ``device`` with ``host`` costs per op."""
+    modes = list(profiles)
+    off = profiles["off"]
+    estimates = tuple(
+        LayerEstimate(
+            index=layer.index, fqn=layer.fqn,
+            kept_bytes={m: profiles[m].kept.get(position, 0) for m in modes},
+            recompute_flops={m: max(profiles[m].backward_flops.get(position, 0) - off.backward_flops.get(position, 0),
+                                    0) for m in modes},
+            swap_bytes=off.kept.get(position, 0),
+            forward_peak_bytes={m: profiles[m].forward_peak.get(position, 0) for m in modes},
+            backward_peak_bytes={m: profiles[m].backward_peak.get(position, 0) for m in modes},
+            seconds={m: _layer_seconds(position, m, profiles, device, host) for m in modes},
+        )
+        for position, layer in enumerate(layers)
+    )
+    outside_peak = tuple(max(p.outside_peak.get(k, 0) for p in profiles.values()) for k in range(len(layers) + 1))
+    if device is None:
+        outside_seconds = min(p.seconds.get(None, 0.0) for p in profiles.values())
+    else:
+        outside_seconds = device.seconds(off.work.get(None, ())) + (
+            off.forward_ops.get(None, 0) + off.backward_ops.get(None, 0)) * host.per_op
+    return Estimate(estimates, off.kept.get(None, 0), off.total_flops, outside_peak, outside_seconds, timing)

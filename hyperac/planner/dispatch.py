@@ -1,0 +1,102 @@
+"""What an op costs the host, measured once per process and backend.
+
+Eager PyTorch spends a few microseconds of host time per op (Python, the dispatcher, autograd);
+selective recompute adds a Python dispatch mode that records every op of a layer in forward and
+replays it in backward, several microseconds more per op. FLOPs see none of this, and on small
+layers it is most of the step. :func:`host_costs` measures both on a tiny chain of pointwise layers
+(each op does almost no work, so what is timed is the per-op overhead), through the same
+``apply``/``remove`` a plan uses, and keeps the result for the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HostCosts", "host_costs"]
+
+_STEPS = 7
+_cache: dict[str, HostCosts] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCosts:
+    """Host seconds per op."""
+
+    per_op: float
+    """An eager op, forward or backward (launch and dispatch, no work)."""
+    per_recorded_op: float
+    """Extra for an op that selective recompute records in forward and replays in backward."""
+
+
+class _Block(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(16):
+            x = x * 1.0001 + 0.0001
+        return x
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).backward()
+
+
+def host_costs(device: torch.device, runner: Callable[..., Callable[[str], Callable[[], None]]]) -> HostCosts:
+    """Host cost per op on ``device``, measured on first use (``runner(model, None)(mode)`` applies a
+    uniform mode to a model and returns its undo; see ``auto.Runner``)."""
+    key = str(device)
+    if key in _cache:
+        return _cache[key]
+    model = _Chain()
+    x = torch.ones(1, 8, device=device, requires_grad=True)
+    run = runner(model, None)
+    times: dict[str, list[float]] = {"off": [], "full": [], "selective": []}
+    for _ in range(_STEPS):
+        for mode, readings in times.items():
+            undo = run(mode)
+            try:
+                _step(model, x)  # warm
+                start = time.perf_counter()
+                _step(model, x)
+                readings.append(time.perf_counter() - start)
+            finally:
+                undo()
+    counter = _OpCounter()
+    with counter:
+        _step(model, x)
+    recorded = 2 * 2 * 16  # blocks x ops per iteration x iterations
+    seconds = {mode: statistics.median(readings) for mode, readings in times.items()}
+    _cache[key] = HostCosts(per_op=seconds["off"] / counter.count,
+                            per_recorded_op=max(seconds["selective"] - seconds["full"], 0.0) / recorded)
+    return _cache[key]
+
+
+def describe(costs: Any) -> str:
+    return f"{costs.per_op * 1e6:.1f} us per op, +{costs.per_recorded_op * 1e6:.1f} us per recorded op"

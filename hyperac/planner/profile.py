@@ -1,0 +1,300 @@
+"""Run one training step per uniform mode and record what each layer costs in it.
+
+Per mode, one step runs under :class:`_Profiler`, a dispatch mode that attributes every op to the
+layer running it (through forward hooks on the profiled model's own modules, removed afterwards:
+nothing global) and records a :class:`~hyperac.measure.StorageTimeline`, the FLOPs, the bytes each
+op moves and the op counts. On real tensors, further steps then run without the profiler, timed
+at the layers' boundaries (:class:`_Clock`), since a dispatch mode slows every op it sees.
+
+NOTE [Peak phases]
+The step's peak is predicted for any mix of per-layer modes from uniform-mode profiles. At each op
+the live activation bytes split into the kept bytes of the layers that are "behind" the op (in
+forward, the layers whose forward has finished; in backward, the layers whose backward has not
+started yet, i.e. those below the layer running) and a residual: what the running layer holds
+(its own saved tensors, the transient of its recompute, the activation gradients alive then) or,
+outside the layers, the embeddings, logits and loss. Per layer and mode the profile keeps the
+largest forward and backward residual, and outside the layers the largest residual per count of
+layers behind; the cost model adds them to the kept bytes of the layers behind under the plan's
+own modes (``CostModel.peak_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..measure import StorageTimeline, created_storages, flop_counter, gradients
+
+__all__ = ["ModeProfile", "profile_modes"]
+
+
+@dataclasses.dataclass
+class ModeProfile:
+    """One uniform mode's step, per layer position (``None``: outside the layers)."""
+
+    kept: dict[int | None, int]
+    """Activation bytes alive when backward starts, by the layer that created them."""
+    forward_peak: dict[int, int]
+    """Largest residual during each layer's forward (NOTE [Peak phases])."""
+    backward_peak: dict[int, int]
+    """Largest residual during each layer's backward, its recompute included."""
+    outside_peak: dict[int, int]
+    """Largest residual of ops outside the layers, by how many layers are behind them."""
+    backward_flops: dict[int | None, int]
+    """FLOPs run in backward (the gradients, plus any replay), by layer."""
+    total_flops: int
+    forward_ops: dict[int | None, int]
+    backward_ops: dict[int | None, int]
+    work: dict[int | None, list[tuple[int, int, torch.dtype | None]]]
+    """``(FLOPs, bytes moved, dtype)`` of every op, forward and backward, by layer: the roofline's
+    input on ``meta``."""
+    seconds: dict[int | None, float] = dataclasses.field(default_factory=dict)
+    """Measured forward plus backward seconds by layer (real tensors only)."""
+
+
+def _loss(model: nn.Module, sample: Any) -> tuple[torch.Tensor, Any]:
+    """The step's loss, and the model's output (the caller's, not activations)."""
+    if callable(sample):
+        loss = sample(model)
+        return loss, loss
+    output = model(**sample)
+    loss = getattr(output, "loss", None)
+    if loss is None:
+        first = output if isinstance(output, torch.Tensor) else next(
+            v for v in tree_flatten(output)[0] if isinstance(v, torch.Tensor)
+        )
+        loss = first.float().mean()
+    return loss, output
+
+
+def _bytes_moved(args: Any, out: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor))
+
+
+def _dtype(out: Any) -> torch.dtype | None:
+    return next((t.dtype for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+
+
+class _Enter:
+    """Forward pre-hook: the module's layer is running (hooks on the profiled model only)."""
+
+    def __init__(self, profiler: _Profiler, position: int) -> None:
+        self.profiler, self.position = profiler, position
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.profiler.stack.append(self.position)
+
+
+class _Leave:
+    """Forward hook (always called): the module's layer is done; a top-level layer finished."""
+
+    def __init__(self, profiler: _Profiler, top: bool) -> None:
+        self.profiler, self.top = profiler, top
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.profiler.stack:
+            self.profiler.stack.pop()
+        if self.top and not self.profiler.backward:
+            self.profiler.finished += 1
+
+
+class _Profiler(TorchDispatchMode):
+    """Attributes each op to the running layer and records the step's storage timeline."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+        self.stack: list[int] = []
+        self.backward = False
+        self.finished = 0
+        self.frontier = count
+        self.timeline = StorageTimeline()
+        self.events: list[tuple[bool, int | None, int]] = [(False, None, 0)]
+        self.owner_of: list[int | None] = []
+        self.flops: dict[int | None, int] = defaultdict(int)
+        self.ops = (defaultdict(int), defaultdict(int))
+        self.work: dict[int | None, list] = defaultdict(list)
+        self.total_flops = 0
+        self.registry = flop_counter().flop_registry
+        self.mark = 0
+        self.backward_layer: int | None = None
+
+    def boundary(self, position: int, kind: str) -> None:
+        if kind == "backward-start":
+            self.backward_layer = position
+            self.frontier = min(self.frontier, position)
+        elif kind == "backward-end" and self.backward_layer == position:
+            self.backward_layer = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            return True if args[0].dtype is torch.bool else 1
+        self.timeline.tick()
+        out = func(*args, **kwargs)
+        owner = self.stack[-1] if self.stack else self.backward_layer if self.backward else None
+        if self.backward:
+            behind = owner if owner is not None else self.frontier
+        else:
+            behind = self.finished
+        self.events.append((self.backward, owner, behind))
+        formula = self.registry.get(func._overloadpacket)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        self.total_flops += flops
+        if self.backward:
+            self.flops[owner] += flops
+        self.ops[self.backward][owner] += 1
+        self.work[owner].append((flops, _bytes_moved((args, kwargs), out), _dtype(out)))
+        for storage in created_storages((args, kwargs), out):
+            if self.timeline.add(storage) == len(self.owner_of):
+                self.owner_of.append(owner)
+        return out
+
+    def result(self, parameters: Sequence[torch.Tensor]) -> ModeProfile:
+        excluded = self.timeline.ids(gradients(parameters))
+        live = self.timeline.live_bytes(excluded)
+        kept: dict[int | None, int] = defaultdict(int)
+        for key, (born, nbytes, _) in enumerate(self.timeline.births):
+            if key not in excluded and born <= self.mark < self.timeline.alive_until(key):
+                kept[self.owner_of[key]] += nbytes
+        behind = [0]
+        for position in range(self.count):
+            behind.append(behind[-1] + kept.get(position, 0))
+        forward_peak: dict[int, int] = defaultdict(int)
+        backward_peak: dict[int, int] = defaultdict(int)
+        outside_peak: dict[int, int] = defaultdict(int)
+        for index, (backward, owner, layers_behind) in enumerate(self.events):
+            residual = live[index] - behind[layers_behind]
+            table = outside_peak if owner is None else backward_peak if backward else forward_peak
+            key = layers_behind if owner is None else owner
+            table[key] = max(table[key], residual)
+        return ModeProfile(
+            kept=dict(kept), forward_peak=dict(forward_peak), backward_peak=dict(backward_peak),
+            outside_peak=dict(outside_peak), backward_flops=dict(self.flops), total_flops=self.total_flops,
+            forward_ops=dict(self.ops[False]), backward_ops=dict(self.ops[True]),
+            work=dict(self.work),
+        )
+
+
+class _Boundary:
+    """Forward hook (or pre-hook) on a layer: tells ``listener.boundary(position, kind)`` when the
+    layer's forward starts and ends and, through gradient hooks on its output and input, when its
+    backward starts and ends."""
+
+    def __init__(self, listener: Any, position: int, kind: str) -> None:
+        self.listener, self.position, self.kind = listener, position, kind
+
+    def __call__(self, *args: Any) -> None:
+        self.listener.boundary(self.position, self.kind)
+        if not torch.is_grad_enabled() or self.kind.startswith("backward"):
+            return
+        # forward-start: (module, args, kwargs) -> the input; forward-end: (module, args, output).
+        values = tree_flatten(args[1:] if self.kind == "forward-start" else args[2])[0]
+        tensor = next((t for t in values if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if tensor is not None:
+            kind = "backward-end" if self.kind == "forward-start" else "backward-start"
+            tensor.register_hook(_Boundary(self.listener, self.position, kind))
+
+
+def _watch(listener: Any, layer_modules: Sequence[nn.Module]) -> list:
+    handles = []
+    for position, module in enumerate(layer_modules):
+        handles.append(module.register_forward_pre_hook(_Boundary(listener, position, "forward-start"),
+                                                        with_kwargs=True))
+        handles.append(module.register_forward_hook(_Boundary(listener, position, "forward-end"), always_call=True))
+    return handles
+
+
+class _Clock:
+    """Per-layer forward and backward wall time of one step, from readings at layer boundaries
+    (the backend is synchronised at each, so that asynchronous devices are timed too)."""
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        self.synchronize = synchronize
+        self.readings: dict[tuple[int, str], float] = {}
+
+    def boundary(self, position: int, kind: str) -> None:
+        self.synchronize()
+        self.readings.setdefault((position, kind), time.perf_counter())
+
+    def seconds(self, count: int, start: float, end: float) -> dict[int | None, float]:
+        read = self.readings
+        per_layer: dict[int | None, float] = {}
+        for position in range(count):
+            forward = read.get((position, "forward-end"), start) - read.get((position, "forward-start"), start)
+            backward = read.get((position, "backward-end"), end) - read.get((position, "backward-start"), end)
+            per_layer[position] = max(forward, 0.0) + max(backward, 0.0)
+        per_layer[None] = max(end - start - sum(per_layer.values()), 0.0)
+        return per_layer
+
+
+def _profiled_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module]) -> ModeProfile:
+    profiler = _Profiler(len(layer_modules))
+    handles = _watch(profiler, layer_modules)
+    try:
+        for position, layer in enumerate(layer_modules):
+            for module in layer.modules():
+                handles.append(module.register_forward_pre_hook(_Enter(profiler, position)))
+                handles.append(module.register_forward_hook(_Leave(profiler, module is layer), always_call=True))
+        torch.manual_seed(0)
+        with profiler:
+            loss, output = _loss(model, sample)
+            profiler.timeline.release(output)
+            profiler.mark = profiler.timeline.now
+            profiler.backward = True
+            loss.backward()
+            del loss, output
+    finally:
+        for handle in handles:
+            handle.remove()
+    return profiler.result(list(model.parameters()))
+
+
+def _timed_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module],
+                synchronize: Callable[[], None]) -> dict[int | None, float]:
+    clock = _Clock(synchronize)
+    handles = _watch(clock, layer_modules)
+    try:
+        torch.manual_seed(0)
+        synchronize()
+        start = time.perf_counter()
+        loss, output = _loss(model, sample)
+        del output
+        loss.backward()
+        synchronize()
+        end = time.perf_counter()
+    finally:
+        for handle in handles:
+            handle.remove()
+    model.zero_grad(set_to_none=True)
+    return clock.seconds(len(layer_modules), start, end)
+
+
+def profile_modes(
+    model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: Sequence[str],
+    run_mode: Callable[[str], Callable[[], None]], timed_steps: int, synchronize: Callable[[], None],
+) -> dict[str, ModeProfile]:
+    """Profile one step per mode (``run_mode(mode)`` applies it and returns an undo callable),
+    then time ``timed_steps`` more (the fastest reading per layer is kept: on a shared machine the
+    slow readings are other processes' work)."""
+    profiles = {}
+    for mode in modes:
+        undo = run_mode(mode)
+        try:
+            profiles[mode] = _profiled_step(model, sample, layer_modules)
+            model.zero_grad(set_to_none=True)
+            readings = [_timed_step(model, sample, layer_modules, synchronize) for _ in range(timed_steps)]
+        finally:
+            undo()
+        if readings:
+            profiles[mode].seconds = {key: min(r[key] for r in readings) for key in readings[0]}
+        model.zero_grad(set_to_none=True)
+    return profiles

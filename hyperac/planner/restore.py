@@ -1,0 +1,46 @@
+"""Profiling runs real training steps; this puts back everything those steps change.
+
+Gradients (backward accumulates into ``.grad`` in place), buffers (BatchNorm statistics,
+counters), random-number generators (dropout draws), and ``module.training`` flags are as they
+were when profiling ends, whether it ends normally or with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["side_effects_undone"]
+
+
+def _fork_rng(device_type: str) -> contextlib.AbstractContextManager:
+    """Restore the CPU generator, and the backend's device generators, on exit."""
+    if device_type in ("cpu", "meta"):
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(device_type=device_type)
+
+
+@contextlib.contextmanager
+def side_effects_undone(model: nn.Module, device_type: str) -> Iterator[None]:
+    """Run the body with ``.grad`` cleared; on exit restore gradients, buffers, RNG and training flags.
+
+    ``device_type``: where the model's tensors live, so that its generators are restored too."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {b: b.detach().clone() for b in model.buffers() if b.device.type != "meta"}
+    training = {m: m.training for m in model.modules()}
+    with _fork_rng(device_type):
+        try:
+            for parameter in grads:  # backward would accumulate into the caller's grads in place
+                parameter.grad = None
+            yield
+        finally:
+            for parameter, grad in grads.items():
+                parameter.grad = grad
+            with torch.no_grad():
+                for buffer, value in buffers.items():
+                    buffer.copy_(value)
+            for module, flag in training.items():
+                module.training = flag
