@@ -1,18 +1,23 @@
 """The ``hyperac`` command line.
 
 ``hyperac demo`` trains a built-in tiny Llama-style model (built from a config, nothing
-downloaded) for a few steps under each mode, and under ``auto`` at half the activation memory,
-and prints one table: activation memory kept for backward, the extra FLOPs spent recomputing,
-step time, and whether loss and gradients match the model without hyperac.
+downloaded) for a few steps under each mode, and under ``auto`` at half the peak activation
+memory, and prints one table: measured peak activation memory, the extra FLOPs spent recomputing,
+step time, whether loss and gradients match the model without hyperac, and auto's chosen plan.
 
 ``hyperac plan`` estimates a model from a local HF config file or a preset geometry on the
-``meta`` device (nothing is allocated) and prints the cheapest plan that fits a budget.
+``meta`` device (nothing is allocated), costs its steps on a device profile (``--device``), and
+prints the fastest plan whose predicted peak fits a budget.
+
+Every bad input exits with status 2 and one line ``hyperac: error: ...`` on stderr that names
+the argument and what it allows; missing optional packages are found before any work starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import statistics
 import sys
@@ -23,9 +28,10 @@ from typing import Any
 import torch
 
 from . import api
+from .budget import parse_budget
 from .errors import HyperACError
-from .measure import measure_step
-from .planner import ESTIMATE_MODES, choose_modes, parse_budget
+from .measure import PeakMeter, flop_counter
+from .planner import DEVICES, choose_modes
 from .presets import PRESETS
 
 MODES = ("off", "full", "selective", "auto")
@@ -33,10 +39,8 @@ DEMO_BUDGET = 0.5
 
 
 def _tiny_llama(args: argparse.Namespace) -> torch.nn.Module:
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
-        raise SystemExit("hyperac demo needs transformers: pip install 'hyperac[hf]'") from None
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.hidden * 4, num_hidden_layers=args.layers,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=args.seq,
@@ -58,71 +62,98 @@ def _same(a: tuple[torch.Tensor, list[torch.Tensor]], b: tuple[torch.Tensor, lis
     return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
+def _measure(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
+    """Peak activation bytes and FLOPs of one training step."""
+    torch.manual_seed(1)
+    with flop_counter() as flops, PeakMeter(model.parameters()) as meter:
+        output = model(input_ids=ids, labels=ids)
+        meter.release(output)
+        output.loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(meter.peak_bytes), int(flops.get_total_flops())
+
+
+def _short(plan: Any) -> str:
+    letters = {"off": "o", "full": "F", "selective": "s", "selective-even": "e", "pointwise": "p", "swap": "w"}
+    return "".join(letters[layer.mode] for layer in plan.layers)
+
+
 def demo(args: argparse.Namespace) -> int:
     """Train the tiny model under each mode and print the comparison table."""
     base = _tiny_llama(args)
     base.train()
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     reference = _step(base, ids)
-    rows = []
+    models, rows = {}, {}
     for position, mode in enumerate(MODES, start=1):
-        print(f"[{position}/{len(MODES)}] {mode}: measuring, then {args.steps} timed steps",
-              file=sys.stderr, flush=True)
+        print(f"[{position}/{len(MODES)}] {mode}: measuring", file=sys.stderr, flush=True)
         model = copy.deepcopy(base)
         options = dict(budget=DEMO_BUDGET, sample={"input_ids": ids, "labels": ids}) if mode == "auto" else {}
-        api.apply(model, mode=mode, backend="cpu", **options)
-        torch.manual_seed(1)
-        activation_bytes, flops = measure_step(model, lambda m: m(input_ids=ids, labels=ids).loss)
+        plan = api.apply(model, mode=mode, backend="cpu", **options)
         matches = _same(reference, _step(model, ids))
-        times = []
-        for _ in range(args.steps):
+        label = f"auto {DEMO_BUDGET:.0%}" if mode == "auto" else mode
+        models[label] = model
+        rows[label] = [*_measure(model, ids), [], matches, _short(plan) if mode == "auto" else ""]
+    print(f"timing {args.steps} steps per mode, interleaved", file=sys.stderr, flush=True)
+    for _ in range(args.steps):
+        for label, model in models.items():
             start = time.perf_counter()
             _step(model, ids)
-            times.append(time.perf_counter() - start)
-        api.remove(model)
-        label = f"auto {DEMO_BUDGET:.0%}" if mode == "auto" else mode
-        rows.append((label, activation_bytes, flops, statistics.median(times), matches))
-    off_flops = rows[0][2]
+            rows[label][2].append(time.perf_counter() - start)
+    off_flops = rows["off"][1]
     print(f"\nhyperac demo: tiny Llama, {args.layers} layers, hidden {args.hidden}, "
           f"batch {args.batch} x seq {args.seq}")
-    print(f"{'mode':<10} {'activations MiB':>16} {'recompute FLOPs':>16} {'step ms':>9}  loss+grads == off")
-    for mode, activation_bytes, flops, seconds, matches in rows:
+    print(f"{'mode':<10} {'peak MiB':>10} {'recompute FLOPs':>16} {'step ms':>9}  loss+grads == off  plan")
+    for label, (peak, flops, times, matches, chosen) in rows.items():
         overhead = 100.0 * (flops - off_flops) / off_flops
-        print(f"{mode:<10} {activation_bytes / 2**20:>16.2f} {overhead:>15.1f}% {seconds * 1e3:>9.1f}  "
-              f"{'yes' if matches else 'NO'}")
+        print(f"{label:<10} {peak / 2**20:>10.2f} {overhead:>15.1f}% {statistics.median(times) * 1e3:>9.1f}  "
+              f"{'yes' if matches else 'NO':<17}  {chosen}".rstrip())
+    print("(plan: one letter per layer: o off, p pointwise, s selective, e selective-even, F full)")
     if args.plot:
-        _plot(base, ids, args.plot)
-    return 0 if all(row[4] for row in rows) else 1
+        _plot(base, ids, args.plot, {label: (row[0], statistics.median(row[2])) for label, row in rows.items()})
+    for model in models.values():
+        api.remove(model)
+    return 0 if all(row[3] for row in rows.values()) else 1
 
 
-def _plot(model: torch.nn.Module, ids: torch.Tensor, path: str) -> None:
-    """Draw activation memory against replayed FLOPs for every mode and a sweep of auto budgets."""
-    try:
-        import matplotlib
+def _plot(base: torch.nn.Module, ids: torch.Tensor, path: str, measured: dict[str, tuple[int, float]]) -> None:
+    """Draw measured step time against measured peak memory: the uniform modes, auto plans over a
+    sweep of budgets, and HF's own activation checkpointing."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'hyperac[plot]'") from None
-    estimate = api.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu")
-    count = len(estimate.layers)
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for mode in ESTIMATE_MODES:
-        modes = [mode] * count
-        axes.scatter(estimate.total_bytes(modes) / 2**20, estimate.total_recompute_flops(modes) / 1e9, s=60,
-                     label=f"all {mode}", zorder=3)
-    off = estimate.total_bytes(["off"] * count)
-    points = []
-    for percent in range(30, 101, 5):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sample = {"input_ids": ids, "labels": ids}
+    auto = []
+    for budget in (0.45, 0.55, 0.65, 0.75, 0.85):
+        model = copy.deepcopy(base)
         try:
-            modes = choose_modes(estimate, int(off * percent / 100))
+            api.apply(model, mode="auto", budget=budget, sample=sample, backend="cpu")
         except HyperACError:
             continue
-        points.append((estimate.total_bytes(modes) / 2**20, estimate.total_recompute_flops(modes) / 1e9))
-    axes.plot(*zip(*points), "-o", color="black", markersize=3, label="auto, budget 30-100%", zorder=2)
-    axes.set_xlabel("activation memory kept for backward (MiB)")
-    axes.set_ylabel("FLOPs replayed in backward (GFLOP)")
-    axes.set_title("hyperac: memory / recompute trade-off (tiny Llama)")
+        peak, _ = _measure(model, ids)
+        start = time.perf_counter()
+        _step(model, ids)
+        auto.append((peak / 2**20, (time.perf_counter() - start) * 1e3))
+    peers = {}
+    model = copy.deepcopy(base)
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peak, _ = _measure(model, ids)
+        start = time.perf_counter()
+        _step(model, ids)
+        peers["HF checkpointing"] = (peak / 2**20, (time.perf_counter() - start) * 1e3)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for label, (peak, seconds) in measured.items():
+        axes.scatter(peak / 2**20, seconds * 1e3, s=60, label=f"hyperac {label}", zorder=3)
+    for label, point in peers.items():
+        axes.scatter(*point, s=60, marker="x", label=label, zorder=3)
+    if auto:
+        axes.plot(*zip(*auto), "-o", color="black", markersize=3, label="hyperac auto, budget 45-85%", zorder=2)
+    axes.set_xlabel("measured peak activation memory (MiB)")
+    axes.set_ylabel("measured step time (ms)")
+    axes.set_title("hyperac: step time against peak memory (tiny Llama, CPU)")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -134,92 +165,171 @@ def _load_config(args: argparse.Namespace) -> Any:
 
     if args.preset is not None:
         if args.preset not in PRESETS:
-            raise HyperACError(f"unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}.")
+            raise HyperACError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}.")
         settings = dict(PRESETS[args.preset])
     else:
-        try:
-            with open(args.config, encoding="utf-8") as handle:
-                settings = json.load(handle)
-        except OSError as error:
-            raise HyperACError(f"cannot read config file {args.config!r}: {error.strerror}.") from None
-        except json.JSONDecodeError as error:
-            raise HyperACError(f"config file {args.config!r} is not JSON: {error}.") from None
-        if "model_type" not in settings:
-            raise HyperACError(f"config file {args.config!r} has no 'model_type' (an HF config.json has one).")
+        settings = _read_config_file(args.config)
     model_type = settings.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **settings)
-    except ValueError as error:  # an unknown model_type: transformers lists every known one
-        raise HyperACError(f"transformers cannot build a config for model_type {model_type!r}: "
-                           f"{str(error).split('. Should contain')[0][:200]}.") from None
+    except ValueError as error:
+        if model_type not in _known_model_types():
+            raise HyperACError(f"--config: transformers cannot build a config for model_type {model_type!r}: "
+                               f"{str(error).split('. Should contain')[0][:200]}.") from None
+        raise HyperACError(f"--config: transformers rejects {args.config!r}: {_one_line(error)}") from None
+    except (TypeError, AttributeError, KeyError) as error:
+        raise HyperACError(f"--config: transformers rejects {args.config!r}: {_one_line(error)}") from None
+
+
+def _known_model_types() -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300]
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            settings = json.load(handle)
+    except OSError as error:
+        raise HyperACError(f"--config: cannot read config file {path!r}: {error.strerror}.") from None
+    except UnicodeDecodeError:
+        raise HyperACError(f"--config: config file {path!r} is not UTF-8 text; give an HF config.json.") from None
+    except json.JSONDecodeError as error:
+        raise HyperACError(f"--config: config file {path!r} is not JSON: {error}.") from None
+    if not isinstance(settings, dict):
+        raise HyperACError(f"--config: config file {path!r} holds a JSON {type(settings).__name__}, not an object "
+                           "like an HF config.json ({\"model_type\": ...}).")
+    if "model_type" not in settings:
+        raise HyperACError(f"--config: config file {path!r} has no 'model_type' (an HF config.json has one).")
+    return settings
+
+
+def _build_on_meta(config: Any, dtype: torch.dtype, source: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, AttributeError, KeyError, RuntimeError) as error:
+        raise HyperACError(f"{source}: transformers cannot build this model: {_one_line(error)}") from None
 
 
 def plan(args: argparse.Namespace) -> int:
     """Estimate a model geometry on the meta device and print the plan that fits the budget."""
-    from transformers import AutoModelForCausalLM
-
-    budget = _parse_budget_argument(args.budget)
-    parse_budget(budget)  # a bad budget fails before the estimate, not after it
     config = _load_config(args)
     dtype = getattr(torch, args.dtype)
+    source = "--preset" if args.preset is not None else "--config"
+    model = _build_on_meta(config, dtype, source)
     print(f"estimating {config.model_type}, {config.num_hidden_layers} layers, batch {args.batch} x seq {args.seq}, "
-          f"{args.dtype}, on the meta device...", file=sys.stderr, flush=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+          f"{args.dtype}, on the meta device, costed on {args.device}...", file=sys.stderr, flush=True)
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
-    estimate = api.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu")
-    off = estimate.total_bytes(["off"] * len(estimate.layers))
-    budget_bytes = parse_budget(budget, off)
+    estimate = api.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device=args.device)
+    count = len(estimate.layers)
+    off = estimate.peak_bytes(["off"] * count)
+    budget_bytes = parse_budget(args.budget, off)
     modes = choose_modes(estimate, budget_bytes)
     print(estimate)
     print(f"\nplan for a budget of {budget_bytes / 2**30:.2f} GiB:")
     for layer, mode in zip(estimate.layers, modes):
         print(f"{layer.index:>4}  {layer.fqn:<28}  {mode}")
-    print(f"predicted: {estimate.total_bytes(modes) / 2**30:.2f} GiB kept for backward "
-          f"(no recompute: {off / 2**30:.2f} GiB), {estimate.total_recompute_flops(modes) / 1e12:.2f} TFLOP "
-          f"replayed per step ({100 * estimate.total_recompute_flops(modes) / estimate.base_flops:.1f}% of the step)")
+    print(f"predicted: peak {estimate.peak_bytes(modes) / 2**30:.2f} GiB (no recompute: {off / 2**30:.2f} GiB), "
+          f"{estimate.total_bytes(modes) / 2**30:.2f} GiB kept for backward, step "
+          f"{estimate.step_seconds(modes) * 1e3:.1f} ms on {args.device} (no recompute: "
+          f"{estimate.step_seconds(['off'] * count) * 1e3:.1f} ms), {estimate.total_recompute_flops(modes) / 1e12:.2f}"
+          f" TFLOP replayed ({100 * estimate.total_recompute_flops(modes) / estimate.base_flops:.1f}% of the step)")
     return 0
 
 
-def _parse_budget_argument(text: str) -> Any:
+def _positive_int(text: str) -> int:
     try:
-        value = float(text)
+        value = int(text)
     except ValueError:
-        return text
-    # Whole numbers above 1 are byte counts; anything else (2.5, nan, inf) is left for parse_budget to refuse.
-    return int(value) if value > 1 and value.is_integer() else value
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _budget(text: str) -> str:
+    """The budget as the API reads it: validated now, resolved once the no-recompute peak is known."""
+    try:
+        parse_budget(text)
+    except HyperACError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with each error as one line ``hyperac: error: ...`` and exit status 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"hyperac: error: {message} (see '{self.prog} --help')\n")
+
+
+class _PlotAvailable(argparse.Action):
+    """``--plot FILE``: fails at parse time, before the demo runs, when matplotlib is missing."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, value: Any, option: Any = None) -> None:
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("argument --plot: needs matplotlib, which is not installed: pip install 'hyperac[plot]'")
+        setattr(namespace, self.dest, value)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hyperac", description="Activation recompute for PyTorch training.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="hyperac", description="Activation recompute for PyTorch training.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo_parser = commands.add_parser("demo", help="compare the modes on a built-in tiny Llama")
-    demo_parser.add_argument("--steps", type=int, default=3, help="timed training steps per mode")
-    demo_parser.add_argument("--layers", type=int, default=4)
-    demo_parser.add_argument("--hidden", type=int, default=128)
-    demo_parser.add_argument("--seq", type=int, default=128)
-    demo_parser.add_argument("--batch", type=int, default=2)
-    demo_parser.add_argument("--plot", metavar="FILE.png", help="also draw the memory / recompute trade-off")
+    demo_parser.add_argument("--steps", type=_positive_int, default=3, help="timed training steps per mode")
+    demo_parser.add_argument("--layers", type=_positive_int, default=4)
+    demo_parser.add_argument("--hidden", type=_positive_int, default=128, help="a multiple of 8")
+    demo_parser.add_argument("--seq", type=_positive_int, default=128)
+    demo_parser.add_argument("--batch", type=_positive_int, default=2)
+    demo_parser.add_argument("--plot", metavar="FILE.png", action=_PlotAvailable,
+                             help="also draw measured step time against measured peak memory (needs matplotlib)")
     demo_parser.set_defaults(run=demo)
     plan_parser = commands.add_parser("plan", help="estimate a model geometry and print the plan for a budget")
     source = plan_parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", metavar="CONFIG.json", help="a local HF config.json")
     source.add_argument("--preset", help=f"one of: {', '.join(sorted(PRESETS))}")
-    plan_parser.add_argument("--seq", type=int, default=4096, help="sequence length")
-    plan_parser.add_argument("--batch", type=int, default=1, help="batch size")
-    plan_parser.add_argument("--budget", required=True, help="bytes, a size like 24GiB, or a fraction like 0.5")
+    plan_parser.add_argument("--seq", type=_positive_int, default=4096, help="sequence length")
+    plan_parser.add_argument("--batch", type=_positive_int, default=1, help="batch size")
+    plan_parser.add_argument("--budget", required=True, type=_budget,
+                             help="peak activation memory: bytes, a size like 24GiB, or a fraction like 0.5 of the "
+                                  "no-recompute peak (as budget= in the API)")
     plan_parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    plan_parser.add_argument("--device", default="h100", choices=(*DEVICES, "cpu"),
+                             help="device profile that costs the step (data-sheet peaks; cpu: measured here)")
     plan_parser.set_defaults(run=plan)
     return parser
 
 
+_VALUE_OPTIONS = ("--budget", "--seq", "--batch", "--steps", "--layers", "--hidden")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--budget -1GiB`` -> ``--budget=-1GiB``: argparse takes a value starting with '-' for an
+    option and reports a missing value; joined, the value reaches its type check and its message."""
+    joined: list[str] = []
+    for arg in argv:
+        if joined and joined[-1] in _VALUE_OPTIONS and arg.startswith("-") and arg not in _VALUE_OPTIONS:
+            joined[-1] = f"{joined[-1]}={arg}"
+        else:
+            joined.append(arg)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hyperac`` command."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     try:
         return args.run(args)
     except HyperACError as error:
-        print(f"hyperac: {error}", file=sys.stderr)
+        print(f"hyperac: error: {_one_line(error)}", file=sys.stderr)
         return 2
 
 

@@ -69,14 +69,14 @@ def _step(model: nn.Module, x: torch.Tensor) -> None:
 
 
 def host_costs(device: torch.device, runner: Callable[..., Callable[[str], Callable[[], None]]]) -> HostCosts:
-    """Host cost per op on ``device``, measured on first use (``runner(model, None)(mode)`` applies a
+    """Host cost per op on ``device``, measured on first use (``runner(model, ["blocks"])(mode)`` applies a
     uniform mode to a model and returns its undo; see ``auto.Runner``)."""
     key = str(device)
     if key in _cache:
         return _cache[key]
     model = _Chain()
     x = torch.ones(1, 8, device=device, requires_grad=True)
-    run = runner(model, None)
+    run = runner(model, ["blocks"])
     times: dict[str, list[float]] = {"off": [], "full": [], "selective": []}
     for _ in range(_STEPS):
         for mode, readings in times.items():
