@@ -177,7 +177,7 @@ def _load_config(args: argparse.Namespace) -> Any:
             raise HyperACError(f"--config: transformers cannot build a config for model_type {model_type!r}: "
                                f"{str(error).split('. Should contain')[0][:200]}.") from None
         raise HyperACError(f"--config: transformers rejects {args.config!r}: {_one_line(error)}") from None
-    except (TypeError, AttributeError, KeyError) as error:
+    except Exception as error:  # noqa: BLE001 - HF's validators raise their own types (StrictDataclass...)
         raise HyperACError(f"--config: transformers rejects {args.config!r}: {_one_line(error)}") from None
 
 
@@ -325,7 +325,10 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hyperac`` command."""
-    args = _parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        args = _parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    except SystemExit as exit_:  # a bad argument (status 2, its one line already printed), or --help
+        return int(exit_.code or 0)
     try:
         return args.run(args)
     except HyperACError as error:
