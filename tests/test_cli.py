@@ -218,7 +218,7 @@ def test_budget_below_the_floor(files, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     # The estimate runs first and says so on stderr; the error is the one 'hyperac:' line, last.
-    assert_one_error_line(code, captured.err, r"^hyperac: budget of 1024 bytes .* below the smallest plan",
+    assert_one_error_line(code, captured.err, r"^hyperac: error: budget of 1024 bytes .* below the smallest plan",
                           clean=False)
 
 
