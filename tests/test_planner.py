@@ -21,6 +21,7 @@ from hyperac_testing import (
     applied_copy,
     assert_parity,
     kv_cache_disabled,
+    lm_loss,
     measure,
     tiny_gpt2,
     tiny_llama,
@@ -873,3 +874,27 @@ def test_first_step_check_hooks_are_data_found_by_scanning(llama3, llama_batch):
     assert twin._forward_pre_hooks[next(iter(twin._forward_pre_hooks))] is not hooks[0]
     hyperac.remove(model)
     assert not model._forward_hooks and not model._forward_pre_hooks and not model._forward_hooks_always_called
+
+
+def test_sim_link_bandwidth_makes_exposed_copy_time_real():
+    """On ``sim`` with a slow host link, swapped layer inputs make the step wait on copies; with
+    enough per-op compute time the same copies hide behind compute (NOTE [Simulated link and
+    compute time]). What the planner's swap costing assumes, measured."""
+    from hyperac.backends.sim import SimBackend
+
+    loss_fn = lm_loss(batch=2, seq=64)
+    waits = {}
+    for seconds_per_op in (0.0, 200e-6):
+        model = tiny_llama(num_layers=4)
+        backend = SimBackend(link_bandwidth=0.5e6, seconds_per_op=seconds_per_op)  # 32 KiB: 65 ms a copy
+        hyperac.apply(model, mode="full", swap_inputs=True, min_swap_bytes=0, backend=backend)
+        stats = hyperac.swap_stats(model)
+        with backend.computing():
+            loss_fn(model).backward()
+        backend.synchronize()
+        assert stats.offloaded_bytes == stats.reloaded_bytes == 3 * 2 * 64 * 64 * 4  # the last layer keeps its
+        waits[seconds_per_op] = stats.wait_seconds
+        hyperac.remove(model)
+    copy_seconds = 2 * 64 * 64 * 4 / 0.5e6
+    assert waits[0.0] > 2 * copy_seconds  # several copies exposed
+    assert waits[200e-6] < waits[0.0] / 4  # hidden behind compute

@@ -8,6 +8,14 @@ freed (or resized away) before the copy lands yields garbage bytes (all ones: Na
 destination freed before it lands is a write into freed memory, recorded in the stream's
 ``faults``. A missing wait therefore yields wrong numbers or a fault in a test, where on a GPU it
 would be a rare race. Tests and diagnostics only: ``backend="auto"`` never picks it.
+
+NOTE [Simulated link and compute time]
+``SimBackend(link_bandwidth=B)`` gives copies a duration: a copy of ``n`` bytes occupies its stream
+for ``n / B`` seconds from when it is issued (or from when the copy before it ends), and a wait on
+it blocks the host until then. ``seconds_per_op=T`` makes every op take at least ``T`` while
+:meth:`SimBackend.computing` is active (wrap forward and backward together, as with any dispatch
+mode). Copies then hide behind compute exactly when there is enough of it, and the time a step
+waits on copies (``SwapStats.wait_seconds``) is real and measurable, as on an accelerator.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .base import Backend
 from .registry import register_backend
@@ -29,22 +38,29 @@ from .registry import register_backend
 class SimStream:
     """A queue of copies, run in order when an event behind them is waited on."""
 
-    def __init__(self, immediate: bool = False) -> None:
+    def __init__(self, immediate: bool = False, bandwidth: float | None = None) -> None:
         self.immediate = immediate
-        self.pending: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        self.bandwidth = bandwidth
+        self.pending: collections.deque[tuple[int, float, Callable[[], None]]] = collections.deque()
         self.issued = 0
+        self.busy_until = 0.0
         self.faults: list[str] = []
 
-    def enqueue(self, work: Callable[[], None]) -> None:
+    def enqueue(self, work: Callable[[], None], nbytes: int = 0) -> None:
         if self.immediate:
             work()
             return
         self.issued += 1
-        self.pending.append((self.issued, work))
+        done = 0.0
+        if self.bandwidth:
+            done = self.busy_until = max(time.perf_counter(), self.busy_until) + nbytes / self.bandwidth
+        self.pending.append((self.issued, done, work))
 
     def run_until(self, ticket: int) -> None:
         while self.pending and self.pending[0][0] <= ticket:
-            self.pending.popleft()[1]()
+            _, done, work = self.pending.popleft()
+            _busy_wait(done)
+            work()
 
     def wait_event(self, event: SimEvent) -> None:
         event.synchronize()
@@ -54,6 +70,26 @@ class SimStream:
 
     def synchronize(self) -> None:
         self.run_until(self.issued)
+
+
+def _busy_wait(until: float) -> None:
+    """Block until ``perf_counter() >= until`` (``time.sleep`` is too coarse for microseconds)."""
+    while time.perf_counter() < until:
+        pass
+
+
+class _Computing(TorchDispatchMode):
+    """Every op takes at least ``seconds`` (NOTE [Simulated link and compute time])."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        _busy_wait(start + self.seconds)
+        return out
 
 
 class _WeakView:
@@ -138,11 +174,19 @@ class SimBackend(Backend):
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
 
-    def __init__(self) -> None:
+    def __init__(self, link_bandwidth: float | None = None, seconds_per_op: float = 0.0) -> None:
+        """``link_bandwidth``: bytes/s of host copies (``None``: instant); ``seconds_per_op``: the
+        least time an op takes inside :meth:`computing` (NOTE [Simulated link and compute time])."""
         self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet()
+        self.link_bandwidth = link_bandwidth
+        self.seconds_per_op = seconds_per_op
+
+    def computing(self) -> contextlib.AbstractContextManager:
+        """Ops take at least ``seconds_per_op`` while this is active."""
+        return _Computing(self.seconds_per_op) if self.seconds_per_op else contextlib.nullcontext()
 
     def new_stream(self) -> SimStream:
-        stream = SimStream()
+        stream = SimStream(bandwidth=self.link_bandwidth)
         self._streams.add(stream)
         return stream
 
@@ -170,7 +214,7 @@ class SimBackend(Backend):
         if stream.immediate:
             destination.copy_(source)
         else:
-            stream.enqueue(_DeferredCopy(stream, destination, source))
+            stream.enqueue(_DeferredCopy(stream, destination, source), source.numel() * source.element_size())
 
     def synchronize(self) -> None:
         """Land every copy queued on the streams this backend made."""
