@@ -30,7 +30,7 @@ import torch
 from . import api
 from .budget import parse_budget
 from .errors import HyperACError
-from .measure import PeakMeter, flop_counter
+from .measure import flop_counter, step_peak
 from .planner import DEVICES, choose_modes
 from .presets import PRESETS
 
@@ -66,17 +66,12 @@ def _measure(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
     """Peak activation bytes and FLOPs of a training step, each from its own step (FlopCounterMode
     tracks modules and holds tensors of its own while it runs)."""
     torch.manual_seed(1)
-    with PeakMeter(model.parameters()) as meter:
-        output = model(input_ids=ids, labels=ids)
-        meter.release(output)
-        output.loss.backward()
-    del output
-    model.zero_grad(set_to_none=True)
+    peak = step_peak(model, {"input_ids": ids, "labels": ids})
     torch.manual_seed(1)
     with flop_counter() as flops:
         model(input_ids=ids, labels=ids).loss.backward()
     model.zero_grad(set_to_none=True)
-    return int(meter.peak_bytes), int(flops.get_total_flops())
+    return peak, int(flops.get_total_flops())
 
 
 def _short(plan: Any) -> str:

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["ActivationMeter", "PeakMeter", "StorageTimeline", "created_storages", "flop_counter"]
+__all__ = ["ActivationMeter", "PeakMeter", "StorageTimeline", "created_storages", "flop_counter", "step_peak"]
 
 
 def created_storages(inputs: Any, out: Any) -> list[torch.UntypedStorage]:
@@ -263,3 +263,15 @@ class PeakMeter(TorchDispatchMode):
         for storage in created_storages((args, kwargs), out):
             self.timeline.add(storage)
         return out
+
+
+def step_peak(model: Any, batch: dict[str, Any]) -> int:
+    """Peak activation bytes of one step ``model(**batch).loss.backward()`` (:class:`PeakMeter`; the
+    returned outputs are released as the caller's). Clears the parameters' gradients afterwards."""
+    with PeakMeter(model.parameters()) as meter:
+        output = model(**batch)
+        meter.release(output)
+        output.loss.backward()
+    del output
+    model.zero_grad(set_to_none=True)
+    return int(meter.peak_bytes)

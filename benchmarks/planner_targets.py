@@ -1,0 +1,279 @@
+"""Issue 10's targets: ``mode="auto"`` against the fastest configuration that fits the same peak.
+
+For each geometry (the ``hyperac demo`` model, and hidden 512 / seq 1024) one seeded Llama is
+deep-copied per configuration, all in one process, one CPU thread:
+
+* hyperac's uniform modes (``off``, ``pointwise``, ``selective``, ``selective-even``, ``full``) and
+  every-n-layers full plans (n = 2, 3);
+* peers: HF ``activation_checkpointing_enable()`` and ``(every_n_layers=2)``, torchtitan-style
+  selective (``recompute_modes.apply_titan_selective``) and torchtitan-style full
+  (``checkpoint_wrapper`` per layer, no policy);
+* hyperac auto at budgets {0.25, 0.35, 0.5, 0.65, 0.75, 0.9} of the *measured* no-recompute peak
+  (given to hyperac in bytes). One ``hyperac.estimate`` serves every budget: the plan is
+  ``choose_modes(estimate, budget)``, exactly what ``apply(mode="auto")`` computes from its own
+  profile, applied with ``layers={...}``.
+
+Measured per configuration: the peak of live activation storage over forward+backward
+(``hyperac.measure.PeakMeter``, parameters and their gradients excluded) and step time, in
+interleaved rounds (configurations in a shuffled order each round). Time ratios are medians of
+per-round ratios. Per budget, the table shows auto's plan, its measured peak and time, the fastest
+configuration whose measured peak fits the budget, and PASS/FAIL for:
+
+* ``time``: auto's step time <= 1.00x the fastest fitting configuration's;
+* ``peak``: auto's measured peak <= budget x 1.03;
+* ``pred-peak``: predicted peak within 10% of measured;
+* ``pred-time``: predicted step time within 15% of measured (CPU); measured here is the fastest
+  round, as the planner's own timing is (on a shared machine slower rounds are other work).
+
+``--compiled`` adds the compiled peer: ``torch._functorch.config.activation_memory_budget`` at the
+same budgets with ``torch.compile`` (inductor and aot_eager) on the demo geometry; compiled code
+runs its kernels below the dispatcher, so its memory is reported as the bytes saved for backward
+(``saved_tensors_hooks``), not as a peak.
+
+    OMP_NUM_THREADS=1 python benchmarks/planner_targets.py [--rounds N] [--only demo|large] [--compiled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recompute_modes import apply_titan_selective  # noqa: E402
+
+import hyperac  # noqa: E402
+from hyperac.errors import ConfigError  # noqa: E402
+from hyperac.measure import step_peak  # noqa: E402
+from hyperac.planner import choose_modes  # noqa: E402
+
+BUDGETS = (0.25, 0.35, 0.5, 0.65, 0.75, 0.9)
+GEOMETRIES = {
+    "demo": dict(hidden=128, layers=4, seq=128, batch=2, rounds=11),
+    "large": dict(hidden=512, layers=4, seq=1024, batch=1, rounds=4),
+}
+UNIFORM = ("off", "pointwise", "selective", "selective-even", "full")
+LETTERS = {"off": "o", "full": "F", "selective": "s", "selective-even": "e", "pointwise": "p"}
+
+
+def build(geometry: dict[str, int]) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden = geometry["hidden"]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=geometry["layers"],
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                         max_position_embeddings=geometry["seq"], attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+def titan_full(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    for name, layer in layers.named_children():
+        layers.register_module(name, checkpoint_wrapper(layer, preserve_rng_state=False))
+
+
+def step(model: nn.Module, ids: torch.Tensor) -> float:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return time.perf_counter() - start
+
+
+def peak(model: nn.Module, ids: torch.Tensor) -> int:
+    return step_peak(model, {"input_ids": ids, "labels": ids})
+
+
+def letters(modes: Any) -> str:
+    return "".join(LETTERS[m] for m in modes)
+
+
+def configurations(base: nn.Module, count: int) -> dict[str, Callable[[nn.Module], Any]]:
+    configs: dict[str, Callable[[nn.Module], Any]] = {}
+    for mode in UNIFORM:  # label: the plan as per-layer letters (auto's identical plans share the model)
+        configs[f"hyperac {mode}"] = lambda m, mode=mode: hyperac.apply(m, mode=mode, backend="cpu")
+    for n in (2, 3):
+        plan = {i: ("full" if i % n == 0 else "off") for i in range(count)}
+        configs[f"hyperac full every {n} ({letters(plan.values())})"] = (
+            lambda m, plan=plan: hyperac.apply(m, layers=plan, backend="cpu"))
+    configs["hf full"] = lambda m: m.activation_checkpointing_enable()
+    configs["hf every 2"] = lambda m: m.activation_checkpointing_enable(every_n_layers=2)
+    configs["titan selective"] = apply_titan_selective
+    configs["titan full"] = titan_full
+    return configs
+
+
+def run_geometry(name: str, geometry: dict[str, int], rounds: int) -> tuple[list[str], bool]:
+    """One geometry's tables, and whether every target passed."""
+    base = build(geometry)
+    count = geometry["layers"]
+    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+    sample = {"input_ids": ids, "labels": ids}
+    print(f"[{name}] estimating...", file=sys.stderr, flush=True)
+    estimate = hyperac.estimate(base, sample, backend="cpu")
+    models: dict[str, nn.Module] = {}
+    for label, setup in configurations(base, count).items():
+        model = copy.deepcopy(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            setup(model)
+        models[label] = model
+    off_peak = peak(models["hyperac off"], ids)
+    plans: dict[float, list[str] | None] = {}
+    for budget in BUDGETS:
+        try:
+            plans[budget] = choose_modes(estimate, int(budget * off_peak))
+        except ConfigError:
+            plans[budget] = None
+    auto_label: dict[tuple[str, ...], str] = {}
+    for modes in {tuple(m) for m in plans.values() if m is not None}:
+        same = [label for label in models if label.startswith("hyperac") and (
+            label.endswith(f"({letters(modes)})") or (len(set(modes)) == 1 and label == f"hyperac {modes[0]}"))]
+        auto_label[modes] = same[0] if same else f"auto {letters(modes)}"
+        if not same:
+            model = copy.deepcopy(base)
+            hyperac.apply(model, layers=dict(enumerate(modes)), backend="cpu")
+            models[auto_label[modes]] = model
+    peaks = {label: peak(model, ids) for label, model in models.items()}
+    print(f"[{name}] {len(models)} configurations, {rounds} rounds", file=sys.stderr, flush=True)
+    times: dict[str, list[float]] = {label: [] for label in models}
+    order = list(models)
+    for _ in range(rounds + 1):  # the first round warms up and is dropped
+        random.shuffle(order)
+        for label in order:
+            times[label].append(step(models[label], ids))
+    times = {label: values[1:] for label, values in times.items()}
+    median = {label: statistics.median(values) for label, values in times.items()}
+    fastest_round = {label: min(values) for label, values in times.items()}
+
+    lines = [f"## {name}: hidden {geometry['hidden']}, {count} layers, batch {geometry['batch']} x seq "
+             f"{geometry['seq']}; no-recompute peak {off_peak / 2**20:.2f} MiB, "
+             f"step {median['hyperac off'] * 1e3:.0f} ms",
+             "", "| config | measured peak (x off) | step (x off) |", "|---|---|---|"]
+    for label in sorted(models, key=lambda k: peaks[k]):
+        lines.append(f"| {label} | {peaks[label] / off_peak:.3f} | {median[label] / median['hyperac off']:.2f} |")
+    lines += ["", "| budget | auto plan | auto peak | auto step | fastest fitting | its step | time | peak | "
+              "pred-peak | pred-time |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ok = True
+    for budget in BUDGETS:
+        limit = budget * off_peak
+        fitting = [label for label in models if not label.startswith("auto ") and peaks[label] <= limit]
+        fastest = min(fitting, key=median.get) if fitting else None
+        modes = plans[budget]
+        if modes is None:
+            floor = estimate.peak_bytes(["full"] * count) / off_peak
+            its = "" if fastest is None else f"{median[fastest] / median['hyperac off']:.2f}"
+            lines.append(f"| {budget} | no plan fits (floor: all full, {floor:.2f}) | | | {fastest or 'none fits'} | "
+                         f"{its} | {'PASS' if fastest is None else 'FAIL'} | | | |")
+            ok &= fastest is None
+            continue
+        label = auto_label[tuple(modes)]
+        ratio = (statistics.median(a / b for a, b in zip(times[label], times[fastest]))
+                 if fastest is not None else 0.0)
+        checks = {
+            "time": fastest is None or ratio <= 1.0,
+            "peak": peaks[label] <= 1.03 * limit,
+            "pred-peak": abs(estimate.peak_bytes(modes) - peaks[label]) <= 0.10 * peaks[label],
+            "pred-time": abs(estimate.step_seconds(modes) - fastest_round[label]) <= 0.15 * fastest_round[label],
+        }
+        ok &= all(checks.values())
+        its = "" if fastest is None else f"{median[fastest] / median['hyperac off']:.2f}"
+        lines.append(
+            f"| {budget} | {letters(modes)} | {peaks[label] / off_peak:.3f} | "
+            f"{median[label] / median['hyperac off']:.2f} | {fastest} | {its} | {'PASS' if checks['time'] else 'FAIL'} "
+            f"{ratio:.2f}x | {'PASS' if checks['peak'] else 'FAIL'} | "
+            f"{'PASS' if checks['pred-peak'] else 'FAIL'} {estimate.peak_bytes(modes) / peaks[label]:.3f} | "
+            f"{'PASS' if checks['pred-time'] else 'FAIL'} {estimate.step_seconds(modes) / fastest_round[label]:.2f} |"
+        )
+    return lines, ok
+
+
+def compiled_peer(rounds: int) -> list[str]:
+    """torch's own budget (``activation_memory_budget``) under torch.compile, on the demo geometry."""
+    import torch._functorch.config as functorch_config
+
+    geometry = GEOMETRIES["demo"]
+    base = build(geometry)
+    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+
+    def saved_bytes(model: nn.Module) -> int:
+        total = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            if not isinstance(tensor, nn.Parameter):
+                total += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return total
+
+    lines = ["## compiled peer (demo geometry): bytes saved for backward (x eager off) and step (x eager off)", "",
+             "| backend | budget | torch budget: saved | step | hyperac auto + compile=True: saved | step |",
+             "|---|---|---|---|---|---|"]
+    eager = copy.deepcopy(base)
+    off_saved, off_time = saved_bytes(eager), statistics.median(step(eager, ids) for _ in range(rounds))
+    for backend in ("aot_eager", "inductor"):
+        for budget in (0.5, 0.75):
+            torch._dynamo.reset()
+            with functorch_config.patch(activation_memory_budget=budget):
+                model = torch.compile(copy.deepcopy(base), backend=backend)
+                step(model, ids)
+                torch_saved, torch_time = saved_bytes(model), statistics.median(step(model, ids) for _ in range(rounds))
+            torch._dynamo.reset()
+            ours = copy.deepcopy(base)
+            hyperac.apply(ours, mode="auto", budget=budget, sample={"input_ids": ids, "labels": ids}, backend="cpu",
+                          compile=True)
+            ours = torch.compile(ours, backend=backend)
+            step(ours, ids)
+            our_saved, our_time = saved_bytes(ours), statistics.median(step(ours, ids) for _ in range(rounds))
+            lines.append(f"| {backend} | {budget} | {torch_saved / off_saved:.2f} | {torch_time / off_time:.2f} | "
+                         f"{our_saved / off_saved:.2f} | {our_time / off_time:.2f} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, help="timed rounds (default: 11 demo, 4 large)")
+    parser.add_argument("--only", choices=tuple(GEOMETRIES))
+    parser.add_argument("--compiled", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    random.seed(0)
+    print(f"# planner targets, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread, "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    ok = True
+    for name, geometry in GEOMETRIES.items():
+        if args.only and name != args.only:
+            continue
+        lines, passed = run_geometry(name, geometry, args.rounds or geometry["rounds"])
+        ok &= passed
+        print("\n".join(lines) + "\n", flush=True)
+    if args.compiled:
+        print("\n".join(compiled_peer(args.rounds or 5)))
+    print("all targets PASS" if ok else "some targets FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
