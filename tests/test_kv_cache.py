@@ -159,6 +159,26 @@ def test_prefix_cache_in_training_gives_unapplied_loss_and_gradients(base_model,
     assert lengths_applied == lengths  # each layer appended once, not again in its replay
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_second_backward_replays_from_the_same_cache(base_model, mode):
+    """``backward(retain_graph=True)`` twice: each replay gets its own copy of the cache as it was."""
+    ids = _ids(3)
+    results = []
+    for options in (None, dict(backend="cpu", mode=mode)):
+        model = copy.deepcopy(base_model).train()
+        cache, _ = _prefix_cache(model)
+        if options is not None:
+            hyperac.apply(model, **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", HyperACWarning)
+            loss = model(input_ids=ids, labels=ids, cache=cache).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        assert cache.get_seq_length() == 12
+    assert_parity(*results)
+
+
 def test_replay_reads_the_cache_as_the_forward_did(base_model):
     cache, _ = _prefix_cache(base_model)
     model, _ = applied_copy(base_model, backend="cpu", layers=PLAN)
