@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -15,29 +12,21 @@ from torch import nn
 from . import _hf
 from .adapters import Adapter, find_adapter, resolve_regions
 from .backends import Backend, get_backend
-from .buffers import BufferSnapshots
 from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
-from .errors import ConfigError, HyperACWarning, UnsupportedModelError, warn_once
+from .errors import ConfigError, HyperACWarning, UnsupportedModelError
 from .plan import LayerPlan, Plan, assign_modes, reversible_note
 from .planner import Estimate, auto_modes, estimate_layers, install_first_step_check, remove_first_step_check
 from .policy import OpSets, resolve_op_sets
-from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap, restore_forward
-from .swap import LayerSwap, SwapManager, SwapStats
+from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap
+from .state import STATE_KEY, AppliedState, find_owned, undo
+from .swap import LayerSwap, SwapManager, SwapStats, default_host_budget
 
 __all__ = ["applied_plan", "apply", "estimate", "remove", "swap_stats"]
 
 logger = logging.getLogger(__name__)
 
-_STATE = "_hyperac_state"
 _UNSET: Any = object()
-
-
-@dataclasses.dataclass
-class _AppliedState:
-    plan: Plan
-    undo: list[Callable[[], None]]
-    swap: SwapManager | None
 
 
 def resolve_config(config: Config | None, fields: dict[str, Any]) -> Config:
@@ -59,7 +48,7 @@ def _check_model(model: Any) -> list[tuple[str, nn.Module]]:
     """Refuse models hyperac must not touch; return ``model.named_modules()`` as a list."""
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"hyperac.apply needs a torch.nn.Module, got {type(model).__name__}.")
-    if _STATE in model.__dict__:
+    if STATE_KEY in model.__dict__:
         raise ConfigError(
             f"hyperac is already applied to this {type(model).__name__}; call hyperac.remove(model) first."
         )
@@ -69,6 +58,7 @@ def _check_model(model: Any) -> list[tuple[str, nn.Module]]:
             "e.g. hyperac.apply(model._orig_mod), then compile."
         )
     modules = list(model.named_modules())
+    _refuse_overlap(model, modules)
     enabled = _hf.recompute_already_enabled(modules)
     if enabled is not None:
         raise UnsupportedModelError(
@@ -76,6 +66,26 @@ def _check_model(model: Any) -> list[tuple[str, nn.Module]]:
             "model.activation_checkpointing_disable() (or gradient_checkpointing_disable()) first."
         )
     return modules
+
+
+def _refuse_overlap(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+    """Refuse an apply that would reach modules another apply owns (NOTE [Applied state is data])."""
+    owned = find_owned(modules)
+    if owned is None:
+        return
+    name, other, there = owned
+    here = f"'{name}'" if name else "itself"
+    if not there:
+        raise ConfigError(
+            f"hyperac is already applied to {here} ({other.owner}) inside this {type(model).__name__}; applies that "
+            f"overlap cannot be undone independently. Call hyperac.remove(model.{name}) first, or apply to only one "
+            "of them."
+        )
+    raise ConfigError(
+        f"this {type(model).__name__} shares a module with a {other.owner} that hyperac is applied to: {here} here is "
+        f"'{there}' there. Applies that overlap cannot be undone independently; call hyperac.remove on that "
+        f"{other.owner} first, or apply to only one of the two."
+    )
 
 
 def _regions_by_layer(
@@ -134,19 +144,14 @@ def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[
         reason = f"swap has no effect on the {backend.name!r} backend (activations already live in host memory)"
     if reason is not None:
         message = f"{reason}; tensors stay on the device and 'swap' layers behave as 'off'."
-        warn_once(message)
+        warnings.warn(message, HyperACWarning, stacklevel=3)
         notes.append(message)
         return [False] * len(modes)
     return wanted
 
 
 def _host_budget(config: Config) -> int:
-    if config.host_budget_bytes is not None:
-        return config.host_budget_bytes
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
+    return config.host_budget_bytes if config.host_budget_bytes is not None else default_host_budget()
 
 
 def apply(
@@ -221,23 +226,19 @@ def apply(
     )
     ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) else None
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if any(swaps) else None
-    undo: list[Callable[[], None]] = []
+    state = AppliedState(result, type(model).__name__, manager)
     try:
-        _hf.disable_use_cache(configs, undo)
-        _install(found, modes, swaps, last_swap, regions, ops, config, manager, undo)
-        model.__dict__[_STATE] = _AppliedState(result, undo, manager)
-        undo.append(lambda: model.__dict__.pop(_STATE, None))
-        if manager is not None:
-            finalizer = weakref.finalize(model, manager.release)
-            undo.append(finalizer)
+        _install(found, modes, swaps, last_swap, regions, chosen_backend, ops, config, state)
+        if any(layer.recomputed for layer in layer_plans):
+            _hf.install_training_cache_defaults(named_modules, state)
+        model.__dict__[STATE_KEY] = state
         if result.predicted_bytes is not None:
             install_first_step_check(model, result.predicted_bytes)
-            undo.append(lambda: remove_first_step_check(model))
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:
-        for step in reversed(undo):
-            step()
+        remove_first_step_check(model)
+        undo(model, state)
         raise
     logger.info("%s", result.summary())
     return result
@@ -245,34 +246,36 @@ def apply(
 
 def _install(
     found: list[Layer], modes: list[str], swaps: list[bool], last_swap: int | None, regions: dict,
-    ops: OpSets | None, config: Config, manager: SwapManager | None, undo: list[Callable[[], None]],
+    backend: Backend, ops: OpSets | None, config: Config, state: AppliedState,
 ) -> None:
     installed: set[int] = set()
 
-    def track(module: nn.Module, original: Any) -> None:
+    def claim(module: nn.Module) -> bool:
+        if id(module) in installed:
+            return False
         installed.add(id(module))
-        undo.append(lambda: restore_forward(module, original))
+        return True
 
     for index, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
             continue
         saved_tensors = mode == "swap" or config.swap_inputs
-        layer_swap = LayerSwap(manager, index != last_swap, saved_tensors) if swap else None
+        layer_swap = LayerSwap(state.swap, index != last_swap, saved_tensors) if swap else None
         if mode == "swap":
-            track(layer.module, install_swap(layer.module, layer_swap))
+            claim(layer.module)
+            install_swap(layer.module, state, layer.fqn, layer_swap)
             continue
         roots, excluded = regions[layer.fqn]
-        context_fn = build_context_fn(
-            mode, ops, compile=config.compile, has_exclusions=bool(excluded),
+        context = build_context_fn(
+            mode, backend, ops, compile=config.compile, has_exclusions=bool(excluded),
             swap_outputs=swap and config.swap_selective_outputs, layer=layer.fqn, index=index,
         )
-        for _, module in excluded:
-            if id(module) not in installed:
-                track(module, install_exclusion(module))
-        for _, module in roots:
-            if id(module) not in installed:
-                region_fn = context_fn if config.compile else BufferSnapshots.wrap(module, context_fn)
-                track(module, install_recompute(module, region_fn, layer_swap))
+        for fqn, module in excluded:
+            if claim(module):
+                install_exclusion(module, state, fqn)
+        for fqn, module in roots:
+            if claim(module):
+                install_recompute(module, state, fqn, context, layer_swap)
 
 
 def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
@@ -327,29 +330,30 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan applied to ``model``, or ``None`` if hyperac is not applied to it."""
-    state = model.__dict__.get(_STATE)
+    state = model.__dict__.get(STATE_KEY)
     return None if state is None else state.plan
 
 
 def swap_stats(model: nn.Module) -> SwapStats | None:
     """What swap moved for ``model`` since ``apply`` (``None`` if nothing of it swaps)."""
-    state = model.__dict__.get(_STATE)
+    state = model.__dict__.get(STATE_KEY)
     return None if state is None or state.swap is None else state.swap.stats
 
 
 def remove(model: nn.Module) -> None:
-    """Undo :func:`apply`: restore every forward, ``use_cache`` and all other state, and free the
-    swap buffers. Modifies ``model`` in place.
+    """Undo :func:`apply`: restore every forward, remove every hook hyperac registered, free the swap
+    buffers. Touches only what this model's apply installed (not a copy's, not another model's).
+    Modifies ``model`` in place.
 
     Raises:
         ConfigError: hyperac is not applied to ``model``.
     """
-    state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
+    state = model.__dict__.get(STATE_KEY) if isinstance(model, nn.Module) else None
     if state is None:
         raise ConfigError(
             f"hyperac is not applied to this {type(model).__name__}; nothing to remove "
             "(hyperac.applied_plan(model) tells whether it is)."
         )
-    for step in reversed(state.undo):
-        step()
+    remove_first_step_check(model)
+    undo(model, state)
     logger.info("hyperac: removed from %s (%d layers restored)", type(model).__name__, len(state.plan.layers))

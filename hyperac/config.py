@@ -186,8 +186,9 @@ class Config:
     more than they free)."""
 
     host_budget_bytes: int | None = None
-    """Most host memory the swap buffers may take (``None``: half of the host's physical memory).
-    When it is spent, further tensors stay on the device, with one warning."""
+    """Most host memory the swap buffers may take. ``None``: half of the host's physical memory
+    divided by ``LOCAL_WORLD_SIZE`` (set by torchrun; 1 when unset), so the processes on one node
+    share half of it. When it is spent, further tensors stay on the device, with one warning."""
 
     budget: Any = None
     """``mode="auto"``: the activation bytes a step may keep, as a byte count, a size string like

@@ -44,12 +44,11 @@ class HyperACWarning(UserWarning):
     """An option that has no effect here, or a fallback hyperac chose for the user."""
 
 
-_warned: set[str] = set()
-
-
-def warn_once(message: str, stacklevel: int = 3) -> None:
-    """Emit ``message`` as a :class:`HyperACWarning` the first time this process sees it."""
-    if message in _warned:
+def warn_once(message: str, given: set[str], stacklevel: int = 3) -> None:
+    """Emit ``message`` as a :class:`HyperACWarning` unless it is in ``given``, the set of warnings
+    already given for one model (its applied state owns the set: a warning about one model never
+    silences the same warning about another)."""
+    if message in given:
         return
-    _warned.add(message)
+    given.add(message)
     warnings.warn(message, HyperACWarning, stacklevel=stacklevel)

@@ -1,8 +1,10 @@
-"""Install and remove recompute on modules by overriding the instance's ``forward``.
+"""Install recompute (and swap) on modules by overriding the instance's ``forward``.
 
 The module object, its class, its parameters' names and its ``state_dict`` keys stay as they
-were; only ``module.forward`` (an instance attribute) changes, and removing it restores the
-original. Like HF's ``GradientCheckpointingLayer``, the override sits inside ``__call__``, so
+were; only ``module.forward`` (an instance attribute) changes, to an override object that holds
+plain data (state.py, NOTE [Applied state is data]); ``hyperac.remove`` restores the original.
+Outside training with grad enabled an override calls the module's own forward, untouched.
+Like HF's ``GradientCheckpointingLayer``, the override sits inside ``__call__``, so
 module hooks (FSDP2's unshard and reshard among them) stay outside the region and do not fire
 again in the replay.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import copy
 import functools
 import types
 from collections.abc import Callable
@@ -37,30 +40,28 @@ from torch import nn
 from torch.utils import checkpoint as torch_recompute
 from torch.utils._pytree import tree_map_only
 
+from ._hf import CACHE_KWARGS
+from .backends import Backend
+from .buffers import BufferSnapshots
 from .config import SELECTIVE_MODES
-from .policy import OpSets, bypass_replay, compile_context_fn, rng_states, selective_contexts, set_rng_states
+from .errors import UnsupportedModelError
+from .policy import (
+    OpSets,
+    bypass_replay,
+    compile_context_fn,
+    resolve_op_sets,
+    rng_states,
+    selective_contexts,
+    set_rng_states,
+)
+from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 
-__all__ = ["build_context_fn", "install_exclusion", "install_recompute", "install_swap", "restore_forward"]
-
-# Keyword arguments that carry a KV cache; a replay must not see a cache its forward appended to.
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-_ABSENT = object()
+__all__ = ["RecomputeContext", "build_context_fn", "install_exclusion", "install_recompute", "install_swap"]
 
 
-def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    for name in _CACHE_KWARGS:
-        if kwargs.get(name) is not None:
-            kwargs[name] = None
-    return kwargs
-
-
-def _original_call(module: nn.Module, original: Any) -> Callable[..., Any]:
-    if original is _ABSENT:
-        return type(module).forward.__get__(module)
-    return original
+def _training(module: nn.Module) -> bool:
+    return module.training and torch.is_grad_enabled()
 
 
 class _RegionFrame:
@@ -86,23 +87,6 @@ def _frame_scope(frame: _RegionFrame, replaying: bool):
         _current_frame.reset(token)
 
 
-def _context_fn(mode: str, ops: OpSets, has_exclusions: bool, swap_outputs: bool, layer: str, index: int | None):
-    """A ``context_fn`` for ``torch.utils.checkpoint``: fresh contexts per region invocation."""
-
-    def make() -> tuple[Any, Any]:
-        if mode in SELECTIVE_MODES:
-            group = current_group() if swap_outputs else None
-            forward_ctx, replay_ctx = selective_contexts(ops, group, mode, layer, index)
-        else:
-            forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
-        if not has_exclusions:
-            return forward_ctx, replay_ctx
-        frame = _RegionFrame()
-        return _Both(_frame_scope(frame, False), forward_ctx), _Both(_frame_scope(frame, True), replay_ctx)
-
-    return make
-
-
 class _Both:
     """Enter two context managers as one (the order of exit is the reverse of entry)."""
 
@@ -118,8 +102,59 @@ class _Both:
         return self.stack.__exit__(*exc)
 
 
+class RecomputeContext:
+    """How the regions of one apply replay: the ``context_fn`` of ``torch.utils.checkpoint``.
+
+    Calling it gives a fresh (forward, replay) context pair per region invocation; this is the one
+    place those contexts are built. Plain data: the op sets are resolved from the backend when first
+    needed, again in a copy (resolved op handles cannot be pickled).
+    """
+
+    def __init__(
+        self, mode: str, backend: Backend, ops: OpSets | None, *, compile: bool, has_exclusions: bool,
+        swap_outputs: bool, layer: str, index: int | None,
+    ) -> None:
+        self.mode = mode
+        self.backend_type = type(backend)
+        self.compile = compile
+        self.has_exclusions = has_exclusions
+        self.swap_outputs = swap_outputs
+        self.layer, self.index = layer, index
+        self._ops = ops
+        self._compiled: Callable[[], tuple[Any, Any]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_ops": None, "_compiled": None}
+
+    @property
+    def ops(self) -> OpSets:
+        if self._ops is None:
+            self._ops = resolve_op_sets(self.backend_type())
+        return self._ops
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]]:
+        """What to pass as ``context_fn``: under ``torch.compile`` a function the compiler accepts."""
+        if not self.compile:
+            return self
+        if self._compiled is None:
+            self._compiled = compile_context_fn(self.ops)
+        return self._compiled
+
+    def __call__(self) -> tuple[Any, Any]:
+        if self.mode in SELECTIVE_MODES:
+            group = current_group() if self.swap_outputs else None
+            forward_ctx, replay_ctx = selective_contexts(self.ops, group, self.mode, self.layer, self.index)
+        else:
+            forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
+        if not self.has_exclusions:
+            return forward_ctx, replay_ctx
+        frame = _RegionFrame()
+        return _Both(_frame_scope(frame, False), forward_ctx), _Both(_frame_scope(frame, True), replay_ctx)
+
+
 def build_context_fn(
     mode: str,
+    backend: Backend,
     ops: OpSets | None,
     *,
     compile: bool,
@@ -127,89 +162,159 @@ def build_context_fn(
     swap_outputs: bool = False,
     layer: str = "?",
     index: int | None = None,
-) -> Callable[[], tuple[Any, Any]] | None:
-    """The ``context_fn`` a region of ``mode`` uses, or ``None`` for PyTorch's default.
+) -> RecomputeContext | None:
+    """The context of regions of ``mode``, or ``None`` for PyTorch's default (full recompute).
 
     ``layer`` and ``index`` (fqn and flat index of the layer the region belongs to) name it in errors.
     """
-    if compile:
-        return compile_context_fn(ops) if mode in SELECTIVE_MODES else None
-    if mode == "full" and not has_exclusions:
+    if mode == "full" and not has_exclusions and not compile:
         return None
-    return _context_fn(mode, ops, has_exclusions, swap_outputs, layer, index)
+    if compile and mode not in SELECTIVE_MODES:
+        return None
+    return RecomputeContext(
+        mode, backend, ops, compile=compile, has_exclusions=has_exclusions, swap_outputs=swap_outputs,
+        layer=layer, index=index,
+    )
 
 
-def _training(module: nn.Module) -> bool:
-    return module.training and torch.is_grad_enabled()
+# ---------------------------------------------------------------------------------------------
+# NOTE [KV caches in replays]
+# A KV cache argument (``cache``, ``past_key_values``, ``past_key_value``, ``layer_past``) is part of
+# what a layer computes whenever the layer reads it: a decoder attending to the cache its encoder
+# wrote (HF's diffusion_gemma), a prefix (prefix tuning). So the layer's forward gets the cache as
+# given, reads it and appends to it once, exactly as without hyperac. Its replay in backward must
+# see the cache as the forward saw it, without the keys the forward itself appended (a selective
+# replay would fail, "not found in storage"; a full recompute would attend to them twice). Before
+# the forward, the region takes a structural copy of each cache argument: lists, tuples, dicts and
+# plain objects are copied, tensors are shared (caches grow by rebinding, ``torch.cat``, not by
+# writing into the tensors they hold). Each replay gets a fresh copy of that, so what a replay
+# appends goes nowhere, and a second replay (``retain_graph``) sees the same. A shared tensor
+# changed in place since (a static cache's ``index_copy_``) cannot be seen as it was: the replay
+# raises rather than compute something else. Nothing is dropped. HF's activation checkpointing
+# instead sets ``cache=None`` unless the layer class declares ``_can_checkpoint_with_cache``, which
+# changes the loss of a layer that reads a cache it did not write.
+
+_SHARED_TYPES = (torch.Tensor, nn.Module, type, types.FunctionType, types.MethodType, types.ModuleType)
 
 
-def install_recompute(
-    module: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None, swap: LayerSwap | None = None
-) -> Any:
-    """Make ``module`` recompute its forward in backward; return what :func:`restore_forward` needs.
+def _structure_copy(value: Any, memo: dict[int, Any], tensors: list[tuple[torch.Tensor, int]]) -> Any:
+    """``value`` with its containers and plain objects copied, its tensors (and torch objects) shared;
+    each tensor met is listed with its version in ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        tensors.append((value, value._version))
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
+    kind = type(value)
+    if kind in (list, dict):
+        copied = kind()
+        memo[id(value)] = copied
+        if kind is list:
+            copied.extend(_structure_copy(item, memo, tensors) for item in value)
+        else:
+            copied.update((key, _structure_copy(item, memo, tensors)) for key, item in value.items())
+        return copied
+    if kind is tuple:
+        return tuple(_structure_copy(item, memo, tensors) for item in value)
+    if (not hasattr(value, "__dict__") or isinstance(value, _SHARED_TYPES)
+            or kind.__module__.partition(".")[0] == "torch"):
+        return value
+    copied = copy.copy(value)
+    memo[id(value)] = copied
+    copied.__dict__.update((name, _structure_copy(item, memo, tensors)) for name, item in vars(value).items())
+    return copied
 
-    Side effect: sets ``module.forward``. Recompute runs only while the module is in training mode
-    with grad enabled; then KV-cache arguments are dropped (``use_cache=False``, cache ``None``).
-    With ``swap``, the inputs the recompute keeps (and, in selective mode, the kept op outputs the
-    context asks for) live in host memory between forward and backward.
-    """
-    original = module.__dict__.get("forward", _ABSENT)
-    extra = {} if context_fn is None else {"context_fn": context_fn}
 
-    def recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = _original_call(self, original)
-        if not _training(self):
+class _CacheAsBefore:
+    """A cache argument as it was when the layer's forward began (NOTE [KV caches in replays])."""
+
+    def __init__(self, name: str, cache: Any) -> None:
+        self.name = name
+        self.tensors: list[tuple[torch.Tensor, int]] = []
+        self.frozen = _structure_copy(cache, {}, self.tensors)
+
+    def for_replay(self, fqn: str) -> Any:
+        for tensor, version in self.tensors:
+            if tensor._version != version:
+                raise UnsupportedModelError(
+                    f"the KV cache passed to recomputed layer {fqn} as {self.name}= (a {type(self.frozen).__name__}) "
+                    f"was written in place after the layer's forward (a tensor of shape {list(tensor.shape)} went "
+                    f"from version {version} to {tensor._version}, as a StaticCache writes), so the layer's replay "
+                    "cannot see the cache as its forward did. Use a DynamicCache or no cache in training, or leave "
+                    "this layer out of recompute with layers={<its index>: 'off'}."
+                )
+        return _structure_copy(self.frozen, {}, [])
+
+
+class _Region:
+    """One recomputed call of a module's forward: ``torch.utils.checkpoint`` runs it once in forward
+    and again for each replay (keyword arguments bound here, so none clash with checkpoint's own)."""
+
+    def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], fqn: str) -> None:
+        self.call, self.kwargs, self.fqn = call, kwargs, fqn
+        self.caches = [_CacheAsBefore(name, kwargs[name]) for name in CACHE_KWARGS if kwargs.get(name) is not None]
+        self.forward_done = False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.caches:
+            return self.call(*args, **self.kwargs)
+        if not self.forward_done:
+            self.forward_done = True
+            return self.call(*args, **self.kwargs)
+        replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
+        return self.call(*args, **replay_kwargs)
+
+
+class RecomputedForward(Override):
+    """Recompute the module's forward in backward, while it trains with grad enabled; otherwise its
+    own forward runs untouched. With ``swap``, the inputs the recompute keeps (and, in selective
+    mode, the op outputs the context asks for) live in host memory between forward and backward."""
+
+    def __init__(
+        self, module: nn.Module, owner: AppliedState, fqn: str, context: RecomputeContext | None, swap: LayerSwap | None
+    ) -> None:
+        super().__init__(module, owner, fqn)
+        self.swap = swap
+        # Eager regions keep their buffer updates single (NOTE [Buffers in the replay] in buffers.py).
+        compiled = context is not None and context.compile
+        self.context = context if compiled else BufferSnapshots.wrap(module, context)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, call = self.module_and_forward()
+        if not _training(module):
             return call(*args, **kwargs)
-        region = functools.partial(call, **_without_cache(kwargs))
-        if swap is None:
-            return torch_recompute.checkpoint(region, *args, use_reentrant=False, **extra)
-        return swap.manager.run_layer(
-            swap.offload, functools.partial(torch_recompute.checkpoint, region, use_reentrant=False, **extra),
-            args, kwargs, swap.saved_tensors,
-        )
-
-    module.forward = types.MethodType(recomputed_forward, module)
-    return original
+        region = _Region(call, kwargs, self.fqn)
+        context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)
+        if self.swap is None:
+            return run()
+        return self.swap.manager.run_layer(self.swap.offload, run, (args, kwargs), self.swap.saved_tensors)
 
 
-def install_swap(module: nn.Module, swap: LayerSwap) -> Any:
-    """Keep the tensors ``module`` saves for backward in host memory (no recompute).
+class SwappedForward(Override):
+    """Keep the tensors the module saves for backward in host memory (no recompute)."""
 
-    Side effect: sets ``module.forward``; returns what :func:`restore_forward` needs.
-    """
-    original = module.__dict__.get("forward", _ABSENT)
+    def __init__(self, module: nn.Module, owner: AppliedState, fqn: str, swap: LayerSwap) -> None:
+        super().__init__(module, owner, fqn)
+        self.swap = swap
 
-    def swapped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = _original_call(self, original)
-        if not _training(self):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, call = self.module_and_forward()
+        if not _training(module):
             return call(*args, **kwargs)
-        return swap.manager.run_layer(swap.offload, call, args, kwargs)
-
-    module.forward = types.MethodType(swapped_forward, module)
-    return original
+        return self.swap.manager.run_layer(self.swap.offload, functools.partial(call, *args, **kwargs), (args, kwargs))
 
 
-def _keep(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+class ExcludedForward(Override):
+    """Keep the module out of the replay of the region around it (NOTE [Excluded modules])."""
 
-
-def _replayed(value: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
-
-
-def install_exclusion(module: nn.Module) -> Any:
-    """Keep ``module`` out of the replay of the region around it (NOTE [Excluded modules]).
-
-    Side effect: sets ``module.forward``; returns what :func:`restore_forward` needs.
-    """
-    original = module.__dict__.get("forward", _ABSENT)
-
-    def excluded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = _original_call(self, original)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, call = self.module_and_forward()
         frame = _current_frame.get()
         if frame is None:
             return call(*args, **kwargs)
-        queue = frame.outputs[id(self)]
+        queue = frame.outputs[id(module)]
         if frame.replaying:
             output, states = queue.popleft()
             set_rng_states(states)
@@ -223,13 +328,27 @@ def install_exclusion(module: nn.Module) -> Any:
         queue.append((output, rng_states(args, kwargs, output)))
         return output
 
-    module.forward = types.MethodType(excluded_forward, module)
-    return original
+
+def install_recompute(
+    module: nn.Module, owner: AppliedState, fqn: str, context: RecomputeContext | None, swap: LayerSwap | None = None
+) -> None:
+    """Make ``module`` recompute its forward in backward (sets ``module.forward``)."""
+    RecomputedForward(module, owner, fqn, context, swap).install()
 
 
-def restore_forward(module: nn.Module, original: Any) -> None:
-    """Undo :func:`install_recompute` / :func:`install_exclusion`."""
-    if original is _ABSENT:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = original
+def install_swap(module: nn.Module, owner: AppliedState, fqn: str, swap: LayerSwap) -> None:
+    """Keep the tensors ``module`` saves for backward in host memory (sets ``module.forward``)."""
+    SwappedForward(module, owner, fqn, swap).install()
+
+
+def install_exclusion(module: nn.Module, owner: AppliedState, fqn: str) -> None:
+    """Keep ``module`` out of the replay of the region around it (sets ``module.forward``)."""
+    ExcludedForward(module, owner, fqn).install()
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _replayed(value: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)

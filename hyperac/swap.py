@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 import sys
 import threading
 import weakref
@@ -70,9 +71,9 @@ from torch.utils._python_dispatch import _disable_current_modes as _quiet
 from torch.utils._pytree import tree_flatten
 
 from .backends import Backend
-from .errors import warn_once
+from .errors import ConfigError, warn_once
 
-__all__ = ["LayerSwap", "SwapManager", "SwapStats", "current_group", "live_group_count"]
+__all__ = ["LayerSwap", "SwapManager", "SwapStats", "current_group", "default_host_budget", "live_group_count"]
 
 _LIVE_GROUPS: weakref.WeakSet = weakref.WeakSet()
 
@@ -116,8 +117,34 @@ class SwapStats:
         )
 
 
+def default_host_budget() -> int:
+    """Half of the host's physical memory, shared by the processes on this node: divided by
+    ``LOCAL_WORLD_SIZE`` (torchrun sets it; 1 when unset)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    local = int(raw) if raw.strip().isdigit() else 0
+    if local < 1:
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE={raw!r} must be a positive integer (torchrun sets it to the number of processes on "
+            "this node; hyperac divides the default swap host budget by it); unset it or pass host_budget_bytes=."
+        )
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 16 << 30
+    return physical // 2 // local
+
+
 class HostPool:
-    """Reusable host buffers (pinned where the backend supports it) under a byte budget."""
+    """Reusable host buffers (pinned where the backend supports it) under a byte budget.
+
+    A copy (deepcopy, pickle) is a fresh, empty pool with the same budget.
+
+    NOTE [Pool lock and garbage collection]
+    A host buffer returns to the pool when its entry dies (``_Entry.__del__``), and the garbage
+    collector can run that inside any allocation, including one made while this thread holds the
+    pool's lock. The lock is reentrant so that such a return cannot deadlock; each method leaves
+    the pool consistent at every point where an allocation can happen.
+    """
 
     def __init__(self, backend: Backend, budget_bytes: int) -> None:
         self.backend = backend
@@ -125,7 +152,10 @@ class HostPool:
         self.allocated_bytes = 0
         self._free: dict[int, list[torch.Tensor]] = {}
         self._closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+
+    def __reduce__(self) -> tuple:
+        return _fresh_pool, (type(self.backend), self.budget_bytes)
 
     @staticmethod
     def _bucket(nbytes: int) -> int:
@@ -154,6 +184,10 @@ class HostPool:
             self._closed = True
             self._free.clear()
             self.allocated_bytes = 0
+
+
+def _fresh_pool(backend_type: type[Backend], budget_bytes: int) -> HostPool:
+    return HostPool(backend_type(), budget_bytes)
 
 
 # How many tensors and storage objects hold a storage (private; None where this torch lacks it).
@@ -330,7 +364,7 @@ class SwapGroup:
                     reason = "budget"
                     warn_once(
                         f"swap host budget of {self.manager.pool.budget_bytes} bytes is spent; further tensors "
-                        "stay on the device. Raise host_budget_bytes to swap more."
+                        "stay on the device. Raise host_budget_bytes to swap more.", self.manager.warned,
                     )
             if reason is not None:
                 stats.skipped[reason] += count
@@ -484,7 +518,8 @@ class SwapManager:
     """Swap state of one applied model: copy stream, host pool, statistics, the group chain.
 
     Holds no reference to the model or its layers; :meth:`release` frees the host buffers (called
-    by ``hyperac.remove`` and by a ``weakref.finalize`` on the model).
+    by ``hyperac.remove`` and when the model's applied state is dropped). A copy (deepcopy, pickle)
+    is a fresh manager with the same settings: its own pool, statistics and stream.
     """
 
     def __init__(self, backend: Backend, min_swap_bytes: int, host_budget_bytes: int) -> None:
@@ -492,9 +527,13 @@ class SwapManager:
         self.min_swap_bytes = min_swap_bytes
         self.pool = HostPool(backend, host_budget_bytes)
         self.stats = SwapStats(wait_seconds=0.0 if backend.can_time_waits else None)
+        self.warned: set[str] = set()
         self._copy_stream: Any = None
         self._last: weakref.ref | None = None
         self._pending: weakref.ref | None = None
+
+    def __reduce__(self) -> tuple:
+        return _fresh_manager, (type(self.backend), self.min_swap_bytes, self.pool.budget_bytes)
 
     @property
     def copy_stream(self) -> Any:
@@ -526,9 +565,10 @@ class SwapManager:
         return None
 
     def run_layer(
-        self, offload: bool, call: Callable[..., Any], args: tuple, kwargs: dict, saved_tensors: bool = True
+        self, offload: bool, call: Callable[[], Any], inputs: tuple[tuple, dict], saved_tensors: bool = True
     ) -> Any:
-        """Run one layer invocation with its saved tensors swapped (NOTE [Swap stream ordering]).
+        """Run one layer invocation, ``call()``, with its saved tensors swapped (NOTE [Swap stream
+        ordering]); ``inputs`` are its (args, kwargs), whose storages a selective swap never resizes.
 
         ``offload=False`` (the model's last swapping layer) keeps them on the device;
         ``saved_tensors=False`` swaps only what a selective policy registers with the group.
@@ -540,7 +580,7 @@ class SwapManager:
                  else contextlib.nullcontext())
         try:
             with hooks:
-                output = call(*args, **kwargs)
+                output = call()
         except BaseException:
             # This forward is abandoned: the next layer invocation starts a new chain, so no later
             # backward prefetches groups of a graph that never runs backward.
@@ -549,7 +589,7 @@ class SwapManager:
         finally:
             _current_group.reset(token)
         with _quiet():
-            protected = _storage_keys((args, kwargs, output)) if any(
+            protected = _storage_keys((inputs, output)) if any(
                 e.in_place for e in group.entries.values()) else set()
             group.close(protected)
             pending = self._pending() if self._pending is not None else None
@@ -562,3 +602,7 @@ class SwapManager:
     def release(self) -> None:
         """Free the host buffers; in-flight groups return theirs when autograd drops them."""
         self.pool.clear()
+
+
+def _fresh_manager(backend_type: type[Backend], min_swap_bytes: int, host_budget_bytes: int) -> SwapManager:
+    return SwapManager(backend_type(), min_swap_bytes, host_budget_bytes)

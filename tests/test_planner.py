@@ -31,6 +31,7 @@ from hyperac_testing import (
 
 import hyperac
 from hyperac import ConfigError, HyperACWarning
+from hyperac._hf import TrainingCacheDefault
 from hyperac.measure import PeakMeter, measure_step
 from hyperac.planner import ESTIMATE_MODES, Estimate, LayerEstimate, parse_budget
 from hyperac.planner import choose_modes as choose_by_peak_and_time
@@ -44,6 +45,12 @@ def choose_modes(estimate, budget, **options):
 
 UNIFORM = ("off", "pointwise", "selective", "selective-even", "full")
 AUTO_BUDGETS = (0.5, 0.65, 0.75, 0.9)
+
+
+def verification_hooks(model):
+    """The first-step verification's hooks on ``model`` (hyperac's training-cache pre-hook left out)."""
+    pre_hooks = [hook for hook in model._forward_pre_hooks.values() if not isinstance(hook, TrainingCacheDefault)]
+    return list(model._forward_hooks.values()), pre_hooks
 
 
 def lm_sample(batch=2, seq=32, vocab=128, seed=0):
@@ -413,10 +420,10 @@ def test_auto_plan_fits_budget_with_bitwise_gradients(llama3, llama_batch, llama
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         model, plan = applied_copy(llama3, mode="auto", budget=budget, sample=sample, backend="cpu")
-        assert model._forward_pre_hooks and model._forward_hooks  # the one-shot verification
+        assert all(verification_hooks(model))  # the one-shot verification
         first = train_step(model, loss_fn)  # verified step: same batch as the sample, so no warning
     assert hyperac_warnings(record) == []
-    assert not model._forward_pre_hooks and not model._forward_hooks  # removed after the first step
+    assert not any(verification_hooks(model))  # removed after the first step
     assert_parity(llama_reference, first)
 
     count = len(llama_estimate.layers)
@@ -532,7 +539,7 @@ def test_plan_round_trips_through_json(llama3, llama_batch, llama_estimate):
     assert [layer.mode for layer in replayed.layers] == modes
     assert [layer.fqn for layer in replayed.layers] == [layer.fqn for layer in plan.layers]
     assert replayed.predicted_bytes is None  # applying a plan re-profiles nothing
-    assert not other._forward_hooks and not other._forward_pre_hooks  # nor verifies
+    assert not any(verification_hooks(other))  # nor verifies
     with warnings.catch_warnings():  # model's first step is verified; other's is not
         warnings.simplefilter("ignore", HyperACWarning)
         assert measure(other, loss_fn) == measure(model, loss_fn)
@@ -573,7 +580,7 @@ def test_verification_warns_when_the_step_is_much_larger_than_the_sample():
     assert verified > 1.1 * plan.predicted_bytes and expected_bytes > 1.1 * plan.predicted_bytes
     # What measure() sees for that step (the returned logits are the caller's in both).
     assert abs(verified - expected_bytes) <= 1024
-    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert not any(verification_hooks(model))
     with warnings.catch_warnings(record=True) as later:
         warnings.simplefilter("always")
         train_step(model, long_loss)  # one-shot: no second warning
@@ -586,13 +593,13 @@ def test_verification_waits_for_a_training_step_and_remove_drops_it(llama3, llam
     model = copy.deepcopy(llama3)
     hooks_before = (dict(model._forward_hooks), dict(model._forward_pre_hooks))
     hyperac.apply(model, mode="auto", budget=0.75, sample=sample, backend="cpu")
-    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    assert [len(hooks) for hooks in verification_hooks(model)] == [1, 1]
     with torch.no_grad():
         model(**sample)  # no graph: not a training step
     model.eval()
     model(**sample)
     model.train()
-    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    assert [len(hooks) for hooks in verification_hooks(model)] == [1, 1]
     hyperac.remove(model)  # no training step ran: remove drops the hooks
     assert (dict(model._forward_hooks), dict(model._forward_pre_hooks)) == hooks_before == ({}, {})
     assert instance_forwards(model) == []
@@ -870,11 +877,11 @@ def test_first_step_check_hooks_are_data_found_by_scanning(llama3, llama_batch):
 
     model = copy.deepcopy(llama3)
     hyperac.apply(model, mode="auto", budget=0.8, sample=llama_batch[0], backend="cpu")
-    hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
-    assert [type(hook) for hook in hooks] == [CheckStart, CheckEnd]
+    hooks, pre_hooks = verification_hooks(model)
+    assert [type(hook) for hook in [*pre_hooks, *hooks]] == [CheckStart, CheckEnd]
     twin = copy.deepcopy(model)  # the copy carries its own pending check
-    assert [type(h) for h in twin._forward_pre_hooks.values()] == [CheckStart]
-    assert twin._forward_pre_hooks[next(iter(twin._forward_pre_hooks))] is not hooks[0]
+    assert [type(h) for h in verification_hooks(twin)[1]] == [CheckStart]
+    assert verification_hooks(twin)[1][0] is not pre_hooks[0]
     hyperac.remove(model)
     assert not model._forward_hooks and not model._forward_pre_hooks and not model._forward_hooks_always_called
 

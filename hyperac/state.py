@@ -1,0 +1,151 @@
+"""What :func:`hyperac.apply` leaves on a model, kept as data the model owns.
+
+NOTE [Applied state is data]
+apply changes a model in three ways, and only these: ``model.__dict__["_hyperac_state"]`` holds an
+:class:`AppliedState` (the plan, the swap manager, the warnings already given); some modules get an
+instance ``forward`` (an override); some HF model modules get a forward pre-hook. Every override
+and hook is an instance of a module-level subclass of :class:`Installed` that names its owner
+state and holds plain data, never a closure over the model. So:
+
+* ``copy.deepcopy``, pickle and ``torch.save`` of an applied model give an independent applied
+  model: the copy's overrides and hooks name the copy's state, which has its own swap manager;
+* ``remove`` finds what to undo by scanning the model's modules for objects its state owns, so it
+  touches nothing of another model, and undoing does not depend on the order of removes;
+* an apply that would reach a module another apply owns (a child applied before its parent, two
+  models sharing a layer) is refused before anything changes (:func:`find_owned`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from .plan import Plan
+from .swap import SwapManager
+
+__all__ = ["STATE_KEY", "AppliedState", "Installed", "Override", "find_owned", "undo"]
+
+STATE_KEY = "_hyperac_state"
+
+
+@dataclasses.dataclass(eq=False)
+class AppliedState:
+    """What one :func:`hyperac.apply` did, owned by the model (``model.__dict__["_hyperac_state"]``)."""
+
+    plan: Plan
+    owner: str
+    """The class name of the model apply was called on (for messages)."""
+    swap: SwapManager | None = None
+    warned: set[str] = dataclasses.field(default_factory=set)
+    """Warnings already given for this model (each is given once per model, not once per process)."""
+
+    def __post_init__(self) -> None:
+        self._tie_teardown()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (deepcopy, pickle) gets its own teardown, tied to its own lifetime.
+        self.__dict__.update(state)
+        self._tie_teardown()
+
+    def _tie_teardown(self) -> None:
+        # Dropping the model drops its state: the host buffers go then, even while the graph of a
+        # forward never run backward still holds swap groups (and so the manager).
+        if self.swap is not None:
+            weakref.finalize(self, self.swap.release)
+
+
+class Installed:
+    """Base of every object hyperac installs on a module: a forward override or a hook.
+
+    ``owner`` is the :class:`AppliedState` of the apply that installed it; ``fqn`` the module's name
+    in the model that apply was called on.
+    """
+
+    owner: AppliedState
+    fqn: str
+
+
+class Override(Installed):
+    """A forward hyperac sets on one module instance (``module.forward``), in place of ``original``:
+    the instance forward found at apply, or ``None`` for the class's own.
+
+    It reaches its module through a weak reference (module -> override -> module would be a cycle
+    that only the garbage collector frees); a copy or pickle carries the module strongly and the
+    copy points at the copied module.
+    """
+
+    def __init__(self, module: nn.Module, owner: AppliedState, fqn: str) -> None:
+        self.owner, self.fqn = owner, fqn
+        self.original = module.__dict__.get("forward")
+        self._module = weakref.ref(module)
+
+    def install(self) -> None:
+        self._module().forward = self
+
+    def restore(self, module: nn.Module) -> None:
+        if self.original is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = self.original
+
+    def module_and_forward(self) -> tuple[nn.Module, Any]:
+        """The module and the forward this override stands in front of."""
+        module = self._module()
+        return module, self.original if self.original is not None else type(module).forward.__get__(module)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_module": self._module()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._module = weakref.ref(state["_module"])
+
+
+# Forward pre-hook dicts hyperac registers in; a hook's id may also sit in the with-kwargs set.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_EXTRAS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _installed(module: nn.Module) -> Iterator[Installed]:
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, Installed):
+        yield forward
+    for name in _HOOK_DICTS:
+        yield from (hook for hook in module.__dict__.get(name, {}).values() if isinstance(hook, Installed))
+
+
+def find_owned(modules: list[tuple[str, nn.Module]]) -> tuple[str, AppliedState, str] | None:
+    """The first module another apply owns: (its name here, the owner state, its name there).
+
+    A sub-module that is itself an applied model counts too; its name there is ``""``.
+    """
+    for name, module in modules:
+        state = module.__dict__.get(STATE_KEY)
+        if state is not None:
+            return name, state, ""
+        for installed in _installed(module):
+            return name, installed.owner, installed.fqn
+    return None
+
+
+def undo(model: nn.Module, state: AppliedState) -> None:
+    """Remove every override and hook ``state`` owns from ``model``'s modules, drop the state and
+    free its swap buffers."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, Override) and forward.owner is state:
+            forward.restore(module)
+        for name in _HOOK_DICTS:
+            hooks = module.__dict__.get(name, {})
+            for key in [key for key, hook in hooks.items() if isinstance(hook, Installed) and hook.owner is state]:
+                del hooks[key]
+                for extra in _HOOK_EXTRAS:
+                    module.__dict__.get(extra, {}).pop(key, None)
+    if model.__dict__.get(STATE_KEY) is state:
+        del model.__dict__[STATE_KEY]
+    if state.swap is not None:
+        state.swap.release()
