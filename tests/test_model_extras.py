@@ -101,13 +101,12 @@ CASES = {
     "timm_levit_batchnorm": (lambda: _timm("levit_128s", img_size=64), _image_loss(64), r"stages\.\d\.blocks\.\d"),
     "hf_timm_wrapper": (_timm_wrapper, _hf_image_loss, r"timm_model\.layer[1-4]\.[01]"),
 }
-# Selective mode keeps a convolution's output that the block then changes in place (squeeze-excite's
-# SiLU(inplace=True)): torch refuses it until kept outputs are protected against visible writes (issue 11
-# section 1, the `selective` branch's work in hyperac/policy.py).
-_KEPT_OUTPUT_WRITTEN = {"timm_efficientnet_batchnorm", "timm_maxvit_batchnorm"}
 
 
-def _run(case: str, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_found_without_paths_and_training_equal(case, mode):
+    """Selective covers squeeze-excite's SiLU(inplace=True) on a kept conv output (efficientnet, maxvit)."""
     build, loss_fn, layers = CASES[case]
     model = build()
     reference = train(copy.deepcopy(model), loss_fn)
@@ -117,19 +116,3 @@ def _run(case: str, mode: str) -> None:
     assert len(fqns) >= 2 and all(re.fullmatch(layers, fqn) for fqn in fqns), fqns
     assert plan.count(mode) == len(fqns)
     assert_same_training(reference, train(applied, loss_fn))
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_found_without_paths_and_full_training_equal(case):
-    _run(case, "full")
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_found_without_paths_and_selective_training_equal(case, request):
-    if case in _KEPT_OUTPUT_WRITTEN:
-        request.applymarker(pytest.mark.xfail(
-            strict=False, raises=RuntimeError,
-            reason="selective keeps a conv output that squeeze-excite's SiLU(inplace=True) then mutates: torch raises "
-            "'cached ... has been mutated' until the selective branch protects kept outputs (issue 11 section 1)",
-        ))
-    _run(case, "selective")
