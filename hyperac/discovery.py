@@ -18,7 +18,9 @@ a layer. Each layer records how it was found (``Layer.found_by``, a column of ``
   pvt) holds its lists' children. Repeated blocks found this way before any declared one win
   (rt_detr declares small conv layers inside its backbone's bottlenecks: the bottlenecks are the
   layers); containers holding under a tenth of the largest one's parameters are left out, unless
-  their block class is one the kept containers hold (a CNN's small early stages). A model with no
+  their block class is one the kept containers hold (a CNN's small early stages) or they are a stage
+  of kept stages (efficientnet's first stage, one block of its own class, at the highest resolution,
+  so holding much of the activation memory). A model with no
   repeated block but one block used several times (ALBERT's shared layer group) gets that block;
 * ``user path``: ``layers="encoder.blocks"`` names the container.
 
@@ -134,6 +136,8 @@ class _Container:
     blocks: Blocks
     found_by: str
     fully_declared: bool = False
+    stages_of: str | None = None
+    """The container of stages this one is a stage's inner container of (timm's ``stages``)."""
 
     def classes(self) -> set[type]:
         return {type(_unwrap(module)[0]) for _, module in self.blocks}
@@ -212,6 +216,7 @@ def _walk(
         if stages and all(stages):
             for (block_name, _), (inner_name, inner) in zip(found.blocks, stages):
                 inner.fqn = ".".join(part for part in (fqn, block_name, inner_name) if part)
+                inner.stages_of = fqn
                 yield inner
         else:
             yield found
@@ -223,7 +228,8 @@ def _largest(containers: list[_Container]) -> list[_Container]:
     largest = max(c.parameters() for c in containers)
     kept = [c for c in containers if c in exempt or c.parameters() >= _MIN_SHARE * largest]
     classes = set().union(*(c.classes() for c in kept))
-    return [c for c in containers if c in kept or c.classes() <= classes]
+    stages = {c.stages_of for c in kept} - {None}
+    return [c for c in containers if c in kept or c.classes() <= classes or c.stages_of in stages]
 
 
 def _layers_of(containers: list[_Container]) -> list[Layer]:

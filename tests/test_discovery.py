@@ -73,11 +73,39 @@ class StagedModel(nn.Module):
         return self.head(self.stages(self.embed(ids)))
 
 
+class Pointwise(nn.Module):
+    """A small block of its own class (efficientnet's ``DepthwiseSeparableConv`` in its first stage)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.act = nn.LayerNorm(width), nn.GELU()
+        self.fc1, self.fc2 = nn.Linear(width, 4), nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class EfficientNetLayout(nn.Module):
+    """timm efficientnet's ``blocks``: a ``Sequential`` of stage ``Sequential``s, the first holding one small
+    block of another class (under a tenth of the parameters of the largest stage)."""
+
+    def __init__(self, width: int = 32, vocab: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        stages = (nn.Sequential(*(TinyBlock(width, 4, 0.1) for _ in range(2))) for _ in range(2))
+        self.blocks = nn.Sequential(nn.Sequential(Pointwise(width)), *stages)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(ids)))
+
+
 @pytest.mark.parametrize(("build", "expected"), [
     (NanoGPT, [f"transformer.h.{i}" for i in range(3)]),
     (Titan, [f"layers.{i}" for i in range(3)]),
     (StagedModel, [f"stages.{s}.blocks.{b}" for s in range(2) for b in range(2)]),
-], ids=["nanogpt", "torchtitan", "timm_stages"])
+    (EfficientNetLayout, ["blocks.0.0", *(f"blocks.{s}.{b}" for s in (1, 2) for b in range(2))]),
+], ids=["nanogpt", "torchtitan", "timm_stages", "timm_small_first_stage"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_plain_pytorch_layouts_found_and_gradients_equal(build, expected, mode):
     torch.manual_seed(0)
