@@ -19,6 +19,7 @@ from .errors import (
     HyperACError,
     HyperACWarning,
     RecomputeMismatchError,
+    TorchVersionError,
     UnsupportedModelError,
 )
 from .plan import LayerPlan, Plan
@@ -38,6 +39,7 @@ __all__ = [
     "Plan",
     "RecomputeMismatchError",
     "SwapStats",
+    "TorchVersionError",
     "UnsupportedModelError",
     "applied_plan",
     "apply",

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from . import _hf
+from . import _compat, _hf
 from .adapters import Adapter, find_adapter, resolve_regions
 from .backends import Backend, get_backend
 from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
@@ -224,6 +224,7 @@ def apply(
     result = Plan(
         backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )
+    _compat.require_for(modes, swaps, config)
     ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) else None
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if any(swaps) else None
     state = AppliedState(result, type(model).__name__, manager)

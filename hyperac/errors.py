@@ -14,6 +14,7 @@ __all__ = [
     "HyperACError",
     "HyperACWarning",
     "RecomputeMismatchError",
+    "TorchVersionError",
     "UnsupportedModelError",
     "warn_once",
 ]
@@ -38,6 +39,10 @@ class UnsupportedModelError(HyperACError, TypeError):
 class RecomputeMismatchError(HyperACError, RuntimeError):
     """A recomputed layer ran other ops in backward than in forward: its forward depends on state
     that it changes (a counter, an observer), so the recompute cannot reproduce it."""
+
+
+class TorchVersionError(HyperACError, RuntimeError):
+    """This torch lacks, or changed, a torch internal that the requested mode relies on."""
 
 
 class HyperACWarning(UserWarning):

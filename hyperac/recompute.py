@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_recompute
 from torch.utils._pytree import tree_map_only
 
+from ._compat import SAC_CHECKPOINT_KWARGS
 from ._hf import CACHE_KWARGS
 from .backends import Backend
 from .buffers import BufferSnapshots
@@ -285,7 +286,7 @@ class RecomputedForward(Override):
             return call(*args, **kwargs)
         region = _Region(call, kwargs, self.fqn)
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
-        extra = {} if context_fn is None else {"context_fn": context_fn}
+        extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)
         if self.swap is None:
             return run()

@@ -70,6 +70,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes as _quiet
 from torch.utils._pytree import tree_flatten
 
+from ._compat import storage_use_count
 from .backends import Backend
 from .errors import ConfigError, warn_once
 
@@ -190,10 +191,6 @@ def _fresh_pool(backend_type: type[Backend], budget_bytes: int) -> HostPool:
     return HostPool(backend_type(), budget_bytes)
 
 
-# How many tensors and storage objects hold a storage (private; None where this torch lacks it).
-_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
-
-
 def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
@@ -220,12 +217,10 @@ class _Entry:
         """Whether a kept op output of this storage is referenced outside the selective cache."""
         if any(ref() is not None for ref in self.cached):
             return True
-        if _storage_use_count is None:
-            return False
         # Expected holders: the cache's detached alias of each kept output, device_bytes, and the
         # storage's Python object. A view or alias kept anywhere else adds one.
         storage = self.device_bytes.untyped_storage()
-        return _storage_use_count(storage._cdata) > len(self.cached) + 2
+        return storage_use_count(storage._cdata) > len(self.cached) + 2
 
     def release_host(self) -> None:
         if self.host is not None:

@@ -1,0 +1,169 @@
+"""Which torch internals hyperac relies on, and whether this torch has them.
+
+Selective recompute uses a few private helpers of ``torch.utils.checkpoint`` and op schemas, and
+swap reads a private storage use count, rather than copying PyTorch's code. The price is that any
+release may change them without a deprecation, and a changed internal rarely fails loudly: the
+protection of kept outputs against in-place writes silently turning off gives wrong gradients, and
+a storage freed while someone still reads it gives wrong activations. So before
+:func:`hyperac.apply` installs a mode that needs them, :func:`require` checks by behaviour, once
+per process, that they work as hyperac expects, and raises
+:class:`~hyperac.errors.TorchVersionError` (naming this torch and the tested range) when they do
+not. The first check costs well under a millisecond of work; later ones are a cache lookup.
+
+NOTE [Probed torch internals]
+``selective`` (policy.py records and replays with its own dispatch modes):
+
+* ``torch.utils.checkpoint._detach_helper(t)`` returns an alias of ``t`` outside autograd that
+  shares its storage and its version counter: a kept output, whose in-place change the replay
+  must see (NOTE [Writes into kept outputs]).
+* ``OpOverload._schema``: ``is_mutable`` and ``arguments[i].alias_info.is_write`` tell which
+  tensors an op writes (the copies made before a write into a kept output).
+* ``torch.utils.checkpoint.SAC_IGNORED_OPS`` holds ``aten::detach`` (which checkpoint runs a
+  different number of times in forward and recompute), and ``_sac_storage_key(op, args)`` is the
+  op itself for an ordinary op (it splits compiled regions inside an eager region).
+* ``torch.Tag.nondeterministic_seeded`` marks ops that draw random numbers (a kept attention with
+  dropout), and ``torch._ops.HigherOrderOperator`` exists.
+
+``compile=True`` layers use PyTorch's public ``create_selective_checkpoint_contexts``, whose
+cached tensors bypass ``saved_tensors_hooks`` (a user's ``save_on_cpu``) up to torch 2.14.
+torch 2.14 added ``checkpoint(..., respect_saved_tensors_hooks=)`` and announced that the default
+will route them through the hooks; hyperac passes ``False`` (:data:`SAC_CHECKPOINT_KWARGS`), so
+both sides of that change behave as torch 2.13 does.
+
+``swap_selective_outputs`` (swap.py):
+
+* ``torch._C._storage_Use_Count(storage._cdata)`` counts each tensor on the storage and its Python
+  storage object; a detached alias or a view adds one.
+* ``untyped_storage().resize_(0)`` frees the bytes, and growing it back keeps the tensor valid.
+
+Imported directly, so a missing one fails ``import hyperac`` loudly rather than changing behaviour:
+``torch.utils._pytree``, ``torch.utils._python_dispatch`` (``TorchDispatchMode``,
+``_disable_current_modes``) and ``torch.utils.flop_counter`` (``sdpa_flop_count``,
+``sdpa_backward_flop_count``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch.utils import checkpoint as torch_recompute
+
+from .config import SELECTIVE_MODES, Config
+from .errors import TorchVersionError
+
+__all__ = ["SAC_CHECKPOINT_KWARGS", "TESTED_TORCH", "require", "require_for", "storage_use_count"]
+
+# The torch releases the whole suite runs on (tox -e cpu, tox -e torch-newest); pyproject.toml's
+# dependency range and the README say the same.
+TESTED_TORCH = ">=2.13,<2.15"
+
+
+def _storage_use_count_missing(cdata: int) -> int:
+    raise _mismatch("swap_selective_outputs=True", "torch._C has no _storage_Use_Count")
+
+
+storage_use_count: Any = getattr(torch._C, "_storage_Use_Count", _storage_use_count_missing)
+
+# Every checkpoint() call with a selective context passes these (NOTE [Probed torch internals]).
+SAC_CHECKPOINT_KWARGS: dict[str, Any] = (
+    {"respect_saved_tensors_hooks": False}
+    if "respect_saved_tensors_hooks" in inspect.signature(torch_recompute.checkpoint).parameters
+    else {}
+)
+
+
+_FEATURES = {"selective": "the selective modes (selective, selective-even, pointwise)",
+             "swap_selective_outputs": "swap_selective_outputs=True"}
+
+
+def _mismatch(feature: str, detail: str) -> TorchVersionError:
+    return TorchVersionError(
+        f"torch {torch.__version__} lacks or changed a torch internal needed by {feature}: {detail}. "
+        f"hyperac supports the torch releases it is tested with, torch{TESTED_TORCH}; install one "
+        "(e.g. pip install 'torch==2.14.1'), or use mode='full', which needs no torch internals."
+    )
+
+
+def require(*features: str) -> None:
+    """Raise :class:`TorchVersionError` unless this torch has what ``features`` need.
+
+    ``features``: ``"selective"`` (selective modes in eager) and ``"swap_selective_outputs"``.
+    Each is checked once per process; a failed check is repeated on the next call.
+    """
+    for feature in features:
+        _check(feature)
+
+
+def require_for(modes: list[str], swaps: list[bool], config: Config) -> None:
+    """:func:`require` what a plan needs: ``selective`` for eager selective layers,
+    ``swap_selective_outputs`` where their outputs swap. ``full``, ``swap`` and compiled layers use
+    public torch only."""
+    selective = [swap for mode, swap in zip(modes, swaps) if mode in SELECTIVE_MODES and not config.compile]
+    swapped = config.swap_selective_outputs and any(selective)
+    require(*["selective"] * bool(selective), *["swap_selective_outputs"] * swapped)
+
+
+@functools.cache
+def _check(feature: str) -> None:
+    probe = {"selective": _probe_selective, "swap_selective_outputs": _probe_storage_use_count}[feature]
+    try:
+        problem = probe()
+    except Exception as error:  # any failure of an internal's contract is a mismatch, whatever its type
+        problem = f"probing it raised {type(error).__name__}: {error}"
+    if problem is not None:
+        raise _mismatch(_FEATURES[feature], problem)
+
+
+def _probe_selective() -> str | None:
+    """The internals hyperac's recording and replay modes use, each on a two-element tensor."""
+    names = ("_detach_helper", "SAC_IGNORED_OPS", "_sac_storage_key")
+    missing = [name for name in names if not hasattr(torch_recompute, name)]
+    if missing:
+        return f"torch.utils.checkpoint has no {', '.join(missing)}"
+    if not hasattr(torch._ops, "HigherOrderOperator") or not hasattr(torch.Tag, "nondeterministic_seeded"):
+        return "torch has no torch._ops.HigherOrderOperator or torch.Tag.nondeterministic_seeded"
+    schema = torch.ops.aten.add_.Tensor._schema
+    if not schema.is_mutable or not getattr(schema.arguments[0].alias_info, "is_write", False):
+        return "the schema of aten::add_ does not mark its first argument as written"
+    if torch.Tag.nondeterministic_seeded not in torch.ops.aten.native_dropout.default.tags:
+        return "aten::native_dropout is not tagged nondeterministic_seeded"
+    if torch.ops.aten.detach.default not in torch_recompute.SAC_IGNORED_OPS:
+        return "torch.utils.checkpoint.SAC_IGNORED_OPS does not hold aten::detach"
+    x = torch.full((2,), 0.5, requires_grad=True)
+    mul = torch.ops.aten.mul.Tensor
+    if torch_recompute._sac_storage_key(mul, (x, x)) is not mul:
+        return "torch.utils.checkpoint._sac_storage_key of an ordinary op is not the op"
+    output = x * x
+    kept = torch_recompute._detach_helper(output)
+    if kept.requires_grad or kept.untyped_storage()._cdata != output.untyped_storage()._cdata:
+        return "torch.utils.checkpoint._detach_helper does not return a detached alias"
+    versions = kept._version, output._version
+    output.add_(1)
+    if (kept._version, output._version) != (versions[0] + 1, versions[1] + 1):
+        return "torch.utils.checkpoint._detach_helper's alias does not share the version counter"
+    return None
+
+
+def _probe_storage_use_count() -> str | None:
+    """A tensor, a detached alias and a view: the use counts swap's alias test expects."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return "torch._C has no _storage_Use_Count"
+    tensor = torch.arange(4.0)
+    storage = tensor.untyped_storage()
+    alone = use_count(storage._cdata)
+    alias, view = tensor.detach(), tensor[1:]
+    counts = (alone, use_count(storage._cdata))
+    del alias, view
+    if counts != (2, 4) or use_count(storage._cdata) != 2:
+        return f"torch._C._storage_Use_Count gave {counts} for a tensor alone, then with an alias and a view; " \
+            "expected (2, 4)"
+    storage.resize_(0)
+    storage.resize_(4 * tensor.element_size())
+    tensor.copy_(torch.arange(4.0))
+    if tensor.tolist() != [0.0, 1.0, 2.0, 3.0]:
+        return "a tensor whose storage was resized to zero and back does not hold new data"
+    return None

@@ -1,0 +1,138 @@
+"""The torch internals hyperac relies on are checked at apply (design.md invariant 10).
+
+Each case takes one internal away, or changes how it behaves, the way a torch release could, and
+checks that ``apply`` refuses with a TorchVersionError naming this torch and the tested range,
+while modes that need no internals still apply. The cases run on every torch in the tested range
+(``tox -e cpu``, ``tox -e torch-newest``).
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import time
+import warnings
+
+import pytest
+import torch
+from hyperac_testing import assert_parity, lm_loss, tiny_llama, train_step
+from torch.utils import checkpoint as torch_recompute
+
+import hyperac
+from hyperac import _compat
+from hyperac.errors import HyperACError, TorchVersionError
+
+SIM = dict(backend="sim", min_swap_bytes=0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks():
+    """Each case checks this torch anew, and leaves no failed or patched result behind."""
+    _compat._check.cache_clear()
+    yield
+    _compat._check.cache_clear()
+
+
+def _state(model):
+    return {name: dict(module.__dict__) for name, module in model.named_modules()}
+
+
+def _refused(model, message, **options):
+    before = _state(model)
+    with pytest.raises(TorchVersionError, match=message) as caught:
+        hyperac.apply(model, **options)
+    text = str(caught.value)
+    assert text.startswith(f"torch {torch.__version__} lacks or changed a torch internal needed by ")
+    assert f"torch{_compat.TESTED_TORCH}" in text and "mode='full'" in text
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, HyperACError)
+    assert _state(model) == before, "a refused apply changed the model"
+    assert "_hyperac_state" not in model.__dict__
+
+
+def test_this_torch_passes_and_the_check_is_cheap_after_the_first_call():
+    _compat.require("selective", "swap_selective_outputs")
+    calls = 2000
+    start = time.perf_counter()
+    for _ in range(calls):
+        _compat.require("selective", "swap_selective_outputs")
+    assert (time.perf_counter() - start) / calls < 1e-3
+
+
+def test_tested_range_is_what_pyproject_declares():
+    major_minor = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    assert (2, 13) <= major_minor < (2, 15), f"torch {torch.__version__} is outside the tested range"
+    pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
+    assert f'dependencies = ["torch{_compat.TESTED_TORCH}"]' in pyproject.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", ["_detach_helper", "SAC_IGNORED_OPS", "_sac_storage_key"])
+def test_selective_refused_when_a_sac_internal_is_missing(monkeypatch, name):
+    model = tiny_llama(num_layers=2)
+    monkeypatch.delattr(torch_recompute, name)
+    _refused(model, rf"needed by the selective modes .*torch\.utils\.checkpoint has no {name}", mode="selective")
+    _refused(model, "needed by the selective modes", mode="selective-even")
+    hyperac.apply(model, mode="full")  # needs no torch internals
+
+
+@pytest.mark.parametrize(
+    "helper, message",
+    [(lambda t: t.detach().clone(), "does not return a detached alias"),
+     (lambda t: torch.empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride()),
+      "does not share the version counter")],
+    ids=["copy", "own-version-counter"],
+)
+def test_selective_refused_when_kept_outputs_would_not_see_writes(monkeypatch, helper, message):
+    """A kept output that is a copy, or an alias with its own version counter: an in-place write
+    after the op would go unnoticed by the replay (wrong gradients, no error)."""
+    monkeypatch.setattr(torch_recompute, "_detach_helper", helper)
+    _refused(tiny_llama(num_layers=2), message, mode="selective")
+
+
+def test_selective_refused_when_detach_is_no_longer_ignored(monkeypatch):
+    monkeypatch.setattr(torch_recompute, "SAC_IGNORED_OPS", set())
+    _refused(tiny_llama(num_layers=2), "SAC_IGNORED_OPS does not hold aten::detach", mode="pointwise")
+
+
+def test_compile_and_full_need_no_sac_internals(monkeypatch):
+    monkeypatch.delattr(torch_recompute, "_sac_storage_key")
+    hyperac.apply(tiny_llama(num_layers=2), mode="selective", compile=True)
+    hyperac.apply(tiny_llama(num_layers=2), mode="full", swap_inputs=True, **SIM)
+
+
+def test_swap_of_selective_outputs_refused_without_the_storage_use_count(monkeypatch):
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    model = tiny_llama(num_layers=2)
+    _refused(model, r"needed by swap_selective_outputs=True: torch\._C has no _storage_Use_Count",
+             mode="selective", swap_selective_outputs=True, **SIM)
+    hyperac.apply(model, mode="selective", swap_inputs=True, **SIM)  # the cache stays on the device
+
+
+def test_swap_of_selective_outputs_refused_when_the_use_count_counts_differently(monkeypatch):
+    monkeypatch.setattr(torch._C, "_storage_Use_Count", lambda cdata: 1)
+    _refused(tiny_llama(num_layers=2), r"gave \(1, 1\).*expected \(2, 4\)",
+             mode="selective", swap_selective_outputs=True, **SIM)
+
+
+def test_compiled_selective_layers_choose_how_kept_tensors_meet_saved_tensors_hooks():
+    """``compile=True`` layers use PyTorch's selective modes, also when they run eagerly. Under a
+    user's saved_tensors_hooks (``save_on_cpu``) torch 2.14 warns that their kept tensors will go
+    through the hooks; hyperac chooses the torch 2.13 behaviour explicitly (kept tensors bypass the
+    hooks), so there is no FutureWarning, and gradients equal the un-applied model's."""
+    base = tiny_llama(num_layers=3)
+    loss_fn = lm_loss(batch=2, seq=8)
+    reference = train_step(copy.deepcopy(base), loss_fn)
+    model = copy.deepcopy(base)
+    hyperac.apply(model, mode="selective", compile=True)
+    packed: list[torch.Tensor] = []
+    with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                                             lambda t: t):
+        warnings.simplefilter("error", FutureWarning)
+        assert_parity(reference, train_step(model, loss_fn))
+    assert packed, "the hooks saw nothing"
+
+
+def test_selective_refused_when_schemas_do_not_say_what_an_op_writes(monkeypatch):
+    """Without write annotations the protection of kept outputs would silently turn off."""
+    add_ = torch.ops.aten.add_.Tensor
+    monkeypatch.setattr(add_, "_schema", torch._C.parse_schema(str(add_._schema).replace("(a!)", "")))
+    _refused(tiny_llama(num_layers=2), "does not mark its first argument as written", mode="selective")
