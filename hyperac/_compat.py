@@ -54,11 +54,13 @@ from torch.utils import checkpoint as torch_recompute
 from .config import SELECTIVE_MODES, Config
 from .errors import TorchVersionError
 
-__all__ = ["SAC_CHECKPOINT_KWARGS", "TESTED_TORCH", "require", "require_for", "storage_use_count"]
+__all__ = ["MIN_TORCH", "SAC_CHECKPOINT_KWARGS", "TESTED_TORCH", "require", "require_for", "storage_use_count"]
 
-# The torch releases the whole suite runs on (tox -e cpu, tox -e torch-newest); pyproject.toml's
-# dependency range and the README say the same.
-TESTED_TORCH = ">=2.13,<2.15"
+# The torch releases the whole suite runs on (tox -e cpu, tox -e torch-newest), and the floor
+# pyproject.toml declares (older releases lack the internals probed below). Newer releases are not
+# capped in pyproject: a cap would make pip replace the user's torch; the probes judge them instead.
+TESTED_TORCH = ("2.13", "2.14")
+MIN_TORCH = TESTED_TORCH[0]
 
 
 def _storage_use_count_missing(cdata: int) -> int:
@@ -82,7 +84,7 @@ _FEATURES = {"selective": "the selective modes (selective, selective-even, point
 def _mismatch(feature: str, detail: str) -> TorchVersionError:
     return TorchVersionError(
         f"torch {torch.__version__} lacks or changed a torch internal needed by {feature}: {detail}. "
-        f"hyperac supports the torch releases it is tested with, torch{TESTED_TORCH}; install one "
+        f"hyperac is tested with torch {' and '.join(TESTED_TORCH)}; install one "
         "(e.g. pip install 'torch==2.14.1'), or use mode='full', which needs no torch internals."
     )
 
