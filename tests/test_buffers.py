@@ -188,3 +188,40 @@ def test_hf_ibert_quant_act_replays_the_ranges_its_forward_saw(mode):
     assert [layer.fqn for layer in plan.layers] == ["ibert.encoder.layer.0", "ibert.encoder.layer.1"]
     assert_same_training(reference, train(applied, loss_fn))
     hyperac.remove(applied)
+
+
+def _tiny_mobilenet_v2() -> tuple[nn.Module, Loss]:
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    torch.manual_seed(0)
+    model = MobileNetV2ForImageClassification(MobileNetV2Config(
+        image_size=32, depth_multiplier=0.25, num_labels=3, first_layer_is_expansion=True,
+    ))
+    return model, _resnet_loss
+
+
+def _tiny_jetmoe() -> tuple[nn.Module, Loss]:
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    torch.manual_seed(0)
+    model = JetMoeForCausalLM(JetMoeConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    ))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("build", [_tiny_mobilenet_v2, _tiny_jetmoe], ids=["mobilenet_v2", "jetmoe"])
+def test_models_hf_marks_without_checkpointing_support_train_as_unapplied(build, mode):
+    """HF marks these ``supports_gradient_checkpointing=False``; hyperac does not refuse them for that, and
+    their side effects (BatchNorm statistics in mobilenet_v2's blocks) still happen once per step."""
+    pytest.importorskip("transformers")
+    model, loss_fn = build()
+    assert type(model).supports_gradient_checkpointing is False
+    reference = train(copy.deepcopy(model), loss_fn)
+    applied, plan = applied_copy(model, mode=mode, backend="cpu")
+    assert len(plan.layers) >= 2 and all(layer.mode == mode for layer in plan.layers)
+    assert_same_training(reference, train(applied, loss_fn))
+    hyperac.remove(applied)
