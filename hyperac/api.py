@@ -131,10 +131,13 @@ def _check_wrapped(layers: list[Layer], modes: list[str]) -> None:
             )
 
 
-def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[str]) -> list[bool]:
-    """Which layers take part in swap. Swap is dropped, with a warning, where it cannot work."""
+def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[str],
+                planned: list[bool] | None) -> list[bool]:
+    """Which layers take part in swap (``planned``: as ``mode="auto"`` chose). Swap is dropped, with a
+    warning, where it cannot work."""
     wanted = [mode == "swap" or (config.swap_inputs and mode in RECOMPUTE_MODES)
-              or (config.swap_selective_outputs and mode in SELECTIVE_MODES) for mode in modes]
+              or (config.swap_selective_outputs and mode in SELECTIVE_MODES) or (planned is not None and planned[i])
+              for i, mode in enumerate(modes)]
     if not any(wanted):
         return wanted
     reason = None
@@ -199,11 +202,13 @@ def apply(
     chosen_backend = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
     prediction: dict[str, int] = {}
+    planned_swaps = None
     if config.plan is not None:
         modes = _modes_from_plan(config.plan, found)
     elif config.mode == "auto":
-        modes, prediction = auto_modes(model, found, config.budget, config.sample,
-                                       _uniform_runner(chosen_backend, config.adapter), chosen_backend)
+        modes, planned_swaps, prediction = auto_modes(
+            model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
+            chosen_backend, _host_budget(config))
     else:
         modes = assign_modes(found, config)
     _check_wrapped(found, modes)
@@ -213,7 +218,7 @@ def apply(
     regions = _regions_by_layer(
         dict(named_modules), found, modes, adapter_spec, config, _hf.has_kv_sharing(configs), notes
     )
-    swaps = _swap_flags(config, chosen_backend, modes, notes)
+    swaps = _swap_flags(config, chosen_backend, modes, notes, planned_swaps)
     # The last swapping layer keeps its tensors (its backward comes first) but stays in the chain.
     last_swap = max((i for i, flag in enumerate(swaps) if flag), default=None)
     layer_plans = []
@@ -229,7 +234,7 @@ def apply(
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if any(swaps) else None
     state = AppliedState(result, type(model).__name__, manager)
     try:
-        _install(found, modes, swaps, last_swap, regions, chosen_backend, ops, config, state)
+        _install(found, modes, swaps, last_swap, regions, chosen_backend, ops, config, state, planned_swaps)
         if any(layer.recomputed for layer in layer_plans):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
@@ -247,7 +252,7 @@ def apply(
 
 def _install(
     found: list[Layer], modes: list[str], swaps: list[bool], last_swap: int | None, regions: dict,
-    backend: Backend, ops: OpSets | None, config: Config, state: AppliedState,
+    backend: Backend, ops: OpSets | None, config: Config, state: AppliedState, planned_swaps: list[bool] | None,
 ) -> None:
     installed: set[int] = set()
 
@@ -260,7 +265,7 @@ def _install(
     for index, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
             continue
-        saved_tensors = mode == "swap" or config.swap_inputs
+        saved_tensors = mode == "swap" or config.swap_inputs or planned_swaps is not None
         layer_swap = LayerSwap(state.swap, index != last_swap, saved_tensors) if swap else None
         if mode == "swap":
             claim(layer.module)

@@ -13,7 +13,7 @@ from .errors import ConfigError
 __all__ = ["LayerPlan", "Plan", "assign_modes", "reversible_note"]
 
 _PREDICTIONS = ("predicted_bytes", "predicted_peak_bytes", "predicted_step_seconds", "predicted_recompute_flops",
-                "budget_bytes")
+                "predicted_swap_bytes", "budget_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,8 @@ class Plan:
     """``mode="auto"``: the predicted seconds of one forward and backward."""
     predicted_recompute_flops: int | None = None
     """``mode="auto"``: the FLOPs the estimate predicts it replays in backward per step."""
+    predicted_swap_bytes: int | None = None
+    """``mode="auto"``: the device bytes its swaps move to host memory per step."""
     budget_bytes: int | None = None
     """``mode="auto"``: the budget it was chosen for."""
 

@@ -13,7 +13,7 @@
 
 from ..budget import parse_budget
 from .auto import auto_modes, estimate_layers
-from .cost import ESTIMATE_MODES, Estimate, LayerEstimate
+from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, LayerEstimate
 from .devices import DEVICES, DeviceProfile, device_profile
 from .solver import choose_modes
 from .verify import install_first_step_check, remove_first_step_check
@@ -21,6 +21,7 @@ from .verify import install_first_step_check, remove_first_step_check
 __all__ = [
     "DEVICES",
     "ESTIMATE_MODES",
+    "SWAP_OPTIONS",
     "DeviceProfile",
     "Estimate",
     "LayerEstimate",

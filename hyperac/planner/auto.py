@@ -7,6 +7,8 @@ that the planner does not import the API that imports it).
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,8 +18,8 @@ from torch import nn
 from ..budget import parse_budget
 from ..discovery import Layer
 from .attention import fused_attention_on_meta
-from .cost import ESTIMATE_MODES, Estimate, build_estimate
-from .devices import device_profile
+from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, build_estimate, split_option
+from .devices import DEVICES, device_profile
 from .dispatch import describe, host_costs
 from .profile import profile_modes
 from .restore import side_effects_undone
@@ -46,7 +48,9 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
     op measured once per process. Gradients, buffers, RNG and training flags are left as they were.
     """
     on_meta = _device_type(model) == "meta"
-    with side_effects_undone(model, backend.device_type), fused_attention_on_meta(on_meta):
+    # The sim backend's per-op compute time (NOTE [Simulated link and compute time]) is part of what is timed.
+    computing = getattr(backend, "computing", contextlib.nullcontext)
+    with side_effects_undone(model, backend.device_type), fused_attention_on_meta(on_meta), computing():
         model.train()
         profiles = profile_modes(
             model, sample, [layer.module for layer in layers], ESTIMATE_MODES,
@@ -54,24 +58,50 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
             timed_steps=0 if on_meta else TIMED_STEPS, synchronize=backend.synchronize,
         )
     if not on_meta:
-        return build_estimate(layers, profiles, timing=f"measured on {backend.name}")
+        return build_estimate(layers, profiles, timing=f"measured on {backend.name}",
+                              link_bandwidth=_link_bandwidth(backend))
     profile = device_profile(device or "cpu")
     host = host_costs(torch.device("cpu"), runner)
     return build_estimate(layers, profiles, profile, host,
-                          timing=f"roofline on {profile.name}, host {describe(host)}")
+                          timing=f"roofline on {profile.name}, host {describe(host)}",
+                          link_bandwidth=profile.host_link_bandwidth)
+
+
+def _link_bandwidth(backend: Any) -> float:
+    """The host link's bytes/s for swap copies: the backend's own figure where it has one (``sim``:
+    ``link_bandwidth``, ``None`` meaning instant), else the slowest link of the device profiles."""
+    if hasattr(backend, "link_bandwidth"):
+        return backend.link_bandwidth or math.inf
+    return min(profile.host_link_bandwidth for profile in DEVICES.values())
+
+
+def plan_swaps(options: Sequence[str]) -> tuple[list[str], list[bool]]:
+    """Per-layer modes and swap flags (``apply``'s meaning) for the solver's options. When any layer
+    offloads, the last layer joins the swap chain without offloading (NOTE [Swap in the plan]);
+    ``off`` there becomes ``swap``, which keeps its tensors on the device as the chain's last layer."""
+    modes = [split_option(option)[0] if option != "swap" else "swap" for option in options]
+    swaps = [split_option(option)[1] for option in options]
+    if any(swaps):
+        swaps[-1] = True
+        modes[-1] = "swap" if modes[-1] == "off" else modes[-1]
+    return modes, swaps
 
 
 def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, runner: Runner,
-               backend: Any) -> tuple[list[str], dict[str, Any]]:
-    """The per-layer modes ``mode="auto"`` applies, and the plan's predictions."""
+               backend: Any, host_budget_bytes: int) -> tuple[list[str], list[bool], dict[str, Any]]:
+    """The per-layer modes and swap flags ``mode="auto"`` applies, and the plan's predictions.
+    Swap is a choice where ``backend.can_swap``, within ``host_budget_bytes`` of pinned memory."""
     estimate = estimate_layers(model, sample, layers, runner, backend)
     off = ["off"] * len(layers)
     budget_bytes = parse_budget(budget, estimate.peak_bytes(off))
-    modes = choose_modes(estimate, budget_bytes)
-    return modes, {
-        "predicted_bytes": estimate.total_bytes(modes),
-        "predicted_peak_bytes": estimate.peak_bytes(modes),
-        "predicted_step_seconds": estimate.step_seconds(modes),
-        "predicted_recompute_flops": estimate.total_recompute_flops(modes),
+    options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
+    chosen = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget_bytes)
+    modes, swaps = plan_swaps(chosen)
+    return modes, swaps, {
+        "predicted_bytes": estimate.total_bytes(chosen),
+        "predicted_peak_bytes": estimate.peak_bytes(chosen),
+        "predicted_step_seconds": estimate.step_seconds(chosen),
+        "predicted_recompute_flops": estimate.total_recompute_flops(chosen),
+        "predicted_swap_bytes": sum(estimate.offload_bytes(p, o) for p, o in enumerate(chosen)),
         "budget_bytes": budget_bytes,
     }

@@ -7,7 +7,10 @@ the layer's forward and backward take. For a plan (one mode per layer) it predic
 - ``peak_bytes``: the peak of live activation memory over the step, what ``budget=`` bounds;
 - ``total_bytes``: the bytes kept when backward starts (the smaller, older measure);
 - ``step_seconds``: the step's time, the sum of the layers' times under their modes and the time
-  outside the layers.
+  outside the layers;
+- ``host_bytes``: the pinned host memory its swaps hold.
+
+A plan's entry per layer is a mode or a swap option (:data:`SWAP_OPTIONS`, NOTE [Swap in the plan]).
 
 Seconds are measured on real tensors (the layers timed at their boundaries, without the profiler:
 everything a mode costs, its dispatch overhead included). On ``meta`` they are a roofline on a
@@ -18,6 +21,7 @@ everything a mode costs, its dispatch overhead included). On ``meta`` they are a
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,10 +29,39 @@ from .devices import DeviceProfile
 from .dispatch import HostCosts
 from .profile import ModeProfile
 
-__all__ = ["ESTIMATE_MODES", "Estimate", "LayerEstimate", "build_estimate"]
+__all__ = ["ESTIMATE_MODES", "SWAP_OPTIONS", "Estimate", "LayerEstimate", "build_estimate", "split_option"]
 
 ESTIMATE_MODES = ("off", "pointwise", "selective", "selective-even", "full")
+SWAP_OPTIONS = ("full+swap", "selective+swap", "swap")
+"""Per-layer choices that swap: recompute with the layer inputs in host memory
+(``Config.swap_inputs`` for that layer), and ``swap`` mode (its saved tensors in host memory)."""
 _RECORDING_MODES = ("pointwise", "selective", "selective-even")
+FORWARD_SHARE = 1 / 3
+"""The share of a layer's measured forward-plus-backward seconds spent in forward (backward runs
+about two matmuls per forward one): the compute a swap copy hides behind (NOTE [Swap in the plan])."""
+
+# NOTE [Swap in the plan]
+# A swapping layer i moves ``offload_bytes`` (its inputs, about what full recompute keeps; in
+# ``swap`` mode what ``off`` keeps) to host memory. As ``SwapManager`` does (NOTE [Swap stream
+# ordering] in swap.py), they leave the device at the end of the next swapping layer's forward and
+# are prefetched when that layer's backward starts, so they stay on the device from layer i+1
+# to that next swapping layer: the peak adds them to those layers' residuals, and removes them
+# from the kept bytes behind everything later. The model's last swapping layer keeps its tensors
+# (its backward comes first), so the last layer never offloads: when any layer swaps, the solver
+# puts the last layer in the chain (``plan_swaps``). The copy each way hides behind layer i+1: the
+# device -> host copy behind its forward, the host -> device prefetch behind its backward, both
+# taken as the ``off`` seconds of layer i+1 split by :data:`FORWARD_SHARE`; what does not hide is
+# exposed, ``max(0, bytes / link bandwidth - compute)``, and added to layer i's seconds. Host
+# memory is one pooled buffer per storage, rounded up to a power of two: ``host_bytes`` counts
+# that for one storage per layer (the layer input), twice the bytes for ``swap`` mode (many).
+
+
+def split_option(option: str) -> tuple[str, bool]:
+    """A plan entry as (mode, whether the layer offloads): ``"full+swap"`` -> ``("full", True)``."""
+    if option == "swap":
+        return "off", True
+    mode, plus, _ = option.partition("+")
+    return mode, bool(plus)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +101,56 @@ class Estimate:
     """Seconds outside the layers: embeddings, head, loss, optimizer-free backward of those."""
     timing: str = ""
     """Where the seconds come from: measured on a backend, or a roofline on a device profile."""
+    link_bandwidth: float = math.inf
+    """Host link bytes/s, one direction, for swap copies (NOTE [Swap in the plan])."""
+
+    def offload_bytes(self, position: int, option: str) -> int:
+        """Device bytes that layer ``position`` moves to host memory under ``option`` (0: no swap)."""
+        mode, swaps = split_option(option)
+        layer = self.layers[position]
+        if not swaps:
+            return 0
+        return layer.swap_bytes if option == "swap" else min(layer.kept_bytes["full"], layer.kept_bytes[mode])
+
+    def kept_on_device(self, position: int, option: str) -> int:
+        """Bytes layer ``position`` keeps on the device between its forward and backward."""
+        return self.layers[position].kept_bytes[split_option(option)[0]] - self.offload_bytes(position, option)
+
+    def option_seconds(self, position: int, option: str) -> float:
+        """Layer ``position``'s seconds under ``option``, exposed swap copy time included."""
+        mode, swaps = split_option(option)
+        seconds = self.layers[position].seconds[mode]
+        if swaps and position + 1 < len(self.layers):
+            copy = self.offload_bytes(position, option) / self.link_bandwidth
+            behind = self.layers[position + 1].seconds["off"]
+            seconds += max(0.0, copy - FORWARD_SHARE * behind) + max(0.0, copy - (1 - FORWARD_SHARE) * behind)
+        return seconds
+
+    def host_bytes(self, options: Sequence[str]) -> int:
+        """Pinned host bytes the plan's swaps hold (NOTE [Swap in the plan])."""
+        total = 0
+        for position, option in enumerate(options):
+            nbytes = self.offload_bytes(position, option)
+            if nbytes:
+                total += 2 * nbytes if option == "swap" else 1 << (nbytes - 1).bit_length()
+        return total
 
     def total_bytes(self, modes: Sequence[str]) -> int:
-        """Predicted activation bytes kept when backward starts, with these per-layer modes."""
-        return self.outside_bytes + sum(layer.kept_bytes[m] for layer, m in zip(self.layers, modes))
+        """Predicted activation bytes kept on the device when backward starts, with these per-layer
+        modes (or swap options)."""
+        return self.outside_bytes + sum(self.kept_on_device(p, m) for p, m in enumerate(modes))
 
     def peak_bytes(self, modes: Sequence[str]) -> int:
-        """Predicted peak of live activation bytes over the step (NOTE [Peak phases])."""
-        behind, peak = 0, 0
-        for position, (layer, mode) in enumerate(zip(self.layers, modes)):
+        """Predicted peak of live activation bytes over the step (NOTE [Peak phases], NOTE [Swap in
+        the plan])."""
+        behind, peak, in_flight = 0, 0, 0
+        for position, (layer, option) in enumerate(zip(self.layers, modes)):
+            mode = split_option(option)[0]
             peak = max(peak, behind + self._outside(position),
-                       behind + layer.forward_peak_bytes[mode], behind + layer.backward_peak_bytes[mode])
-            behind += layer.kept_bytes[mode]
+                       behind + in_flight + layer.forward_peak_bytes[mode],
+                       behind + in_flight + layer.backward_peak_bytes[mode])
+            behind += self.kept_on_device(position, option)
+            in_flight = self.offload_bytes(position, option) or in_flight
         return max(peak, behind + self._outside(len(self.layers)))
 
     def _outside(self, behind: int) -> int:
@@ -87,11 +158,11 @@ class Estimate:
 
     def step_seconds(self, modes: Sequence[str]) -> float:
         """Predicted seconds of one forward and backward with these per-layer modes."""
-        return self.outside_seconds + sum(layer.seconds[m] for layer, m in zip(self.layers, modes))
+        return self.outside_seconds + sum(self.option_seconds(p, m) for p, m in enumerate(modes))
 
     def total_recompute_flops(self, modes: Sequence[str]) -> int:
         """Predicted FLOPs replayed in backward with these per-layer modes."""
-        return sum(layer.recompute_flops[m] for layer, m in zip(self.layers, modes))
+        return sum(layer.recompute_flops[split_option(m)[0]] for layer, m in zip(self.layers, modes))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,9 +203,9 @@ def _layer_seconds(position: int, mode: str, profiles: dict[str, ModeProfile], d
 
 
 def build_estimate(layers: Sequence[Any], profiles: dict[str, ModeProfile], device: DeviceProfile | None = None,
-                   host: HostCosts | None = None, timing: str = "") -> Estimate:
+                   host: HostCosts | None = None, timing: str = "", link_bandwidth: float = math.inf) -> Estimate:
     """An :class:`Estimate` from uniform-mode profiles; seconds measured (``device=None``) or a
-    roofline on ``device`` with ``host`` costs per op."""
+    roofline on ``device`` with ``host`` costs per op; swap copies at ``link_bandwidth`` bytes/s."""
     modes = list(profiles)
     off = profiles["off"]
     estimates = tuple(
@@ -156,4 +227,5 @@ def build_estimate(layers: Sequence[Any], profiles: dict[str, ModeProfile], devi
     else:
         outside_seconds = device.seconds(off.work.get(None, ())) + (
             off.forward_ops.get(None, 0) + off.backward_ops.get(None, 0)) * host.per_op
-    return Estimate(estimates, off.kept.get(None, 0), off.total_flops, outside_peak, outside_seconds, timing)
+    return Estimate(estimates, off.kept.get(None, 0), off.total_flops, outside_peak, outside_seconds, timing,
+                    link_bandwidth)
