@@ -1,0 +1,121 @@
+"""Swap as a choice of ``mode="auto"`` (NOTE [Swap in the plan] in hyperac/planner/cost.py).
+
+On ``sim`` with per-op compute time, the planner costs each layer's swap by the device bytes it
+frees, the copy time its host link cannot hide behind the neighbouring layer's compute, and the
+pinned-host budget; what it predicts is measured on the same backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+from hyperac_testing import assert_parity, kv_cache_disabled, lm_loss, measure, tiny_llama, train_step
+
+import hyperac
+from hyperac.backends.sim import SimBackend
+from hyperac.planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
+
+SECONDS_PER_OP = 50e-6
+FAST_LINK = 1e12  # bytes/s: copies take nanoseconds
+SLOW_LINK = 1e5  # bytes/s: a layer's saved tensors (about 0.5 MiB) take seconds, its compute milliseconds
+BUDGET = 0.7  # of off's peak: full recompute fits, and so does swap of most layers' saved tensors
+
+
+def swapping(plan):
+    return [layer.index for layer in plan.layers if layer.swap]
+
+
+@pytest.fixture(scope="module")
+def loss_fn():
+    return lm_loss(batch=2, seq=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def fast_estimate(model, loss_fn):
+    return hyperac.estimate(model, loss_fn, backend=SimBackend(FAST_LINK, SECONDS_PER_OP))
+
+
+@pytest.fixture(scope="module")
+def fast_plan(model, loss_fn):
+    """A copy of the model under auto on a fast link; its backend; the plan."""
+    clone = copy.deepcopy(model)
+    backend = SimBackend(FAST_LINK, SECONDS_PER_OP)
+    plan = hyperac.apply(clone, mode="auto", budget=BUDGET, sample=loss_fn, backend=backend, min_swap_bytes=0)
+    return clone, backend, plan
+
+
+def test_auto_swaps_on_a_fast_link_and_the_device_saving_is_as_predicted(model, loss_fn, fast_plan):
+    clone, backend, plan = fast_plan
+    assert swapping(plan), str(plan)
+    assert plan.predicted_swap_bytes > 0
+    stats = hyperac.swap_stats(clone)
+    stats.reset()
+    with backend.computing():
+        kept, _ = measure(clone, loss_fn)
+    backend.synchronize()
+    clone.zero_grad(set_to_none=True)
+    # What left the device, by the swap machinery's own count and by the bytes alive at backward start.
+    assert stats.offloaded_bytes == pytest.approx(plan.predicted_swap_bytes, rel=0.02)
+    assert stats.skipped["budget"] == 0
+    assert kept == pytest.approx(plan.predicted_bytes, rel=0.02)
+    unswapped = [layer.mode if layer.mode != "swap" else "off" for layer in plan.layers]
+    plain = copy.deepcopy(model)
+    hyperac.apply(plain, layers=dict(enumerate(unswapped)), backend="cpu")
+    kept_without_swap, _ = measure(plain, loss_fn)
+    assert kept_without_swap - kept == pytest.approx(plan.predicted_swap_bytes, rel=0.02)
+
+
+def test_auto_plan_with_swap_keeps_gradients_bitwise(model, loss_fn, fast_plan):
+    clone, backend, plan = fast_plan
+    assert swapping(plan)
+    reference = copy.deepcopy(model)
+    with kv_cache_disabled(reference):
+        expected = train_step(reference, loss_fn)
+    assert_parity(expected, train_step(clone, loss_fn))
+
+
+def test_swap_is_not_chosen_when_its_copies_cannot_hide(model, loss_fn, fast_estimate):
+    slow = dataclasses.replace(fast_estimate, link_bandwidth=SLOW_LINK)
+    exposed = slow.option_seconds(0, "swap") - slow.layers[0].seconds["off"]
+    assert exposed > 1.0  # 0.5 MiB each way at 100 kB/s, against milliseconds of compute
+    assert fast_estimate.option_seconds(0, "swap") == fast_estimate.layers[0].seconds["off"]
+    plan = hyperac.apply(copy.deepcopy(model), mode="auto", budget=BUDGET, sample=loss_fn,
+                         backend=SimBackend(SLOW_LINK, SECONDS_PER_OP), min_swap_bytes=0)
+    assert not swapping(plan) and plan.count("swap") == 0, str(plan)
+
+
+def test_swap_is_never_chosen_on_cpu(model, loss_fn):
+    clone = copy.deepcopy(model)
+    plan = hyperac.apply(clone, mode="auto", budget=BUDGET, sample=loss_fn, backend="cpu", min_swap_bytes=0)
+    assert not swapping(plan) and plan.count("swap") == 0 and plan.predicted_swap_bytes == 0, str(plan)
+    assert hyperac.swap_stats(clone) is None
+
+
+def test_host_budget_bounds_the_plans_pinned_bytes(model, loss_fn, fast_estimate):
+    options = ESTIMATE_MODES + SWAP_OPTIONS
+    budget = hyperac.planner.parse_budget(BUDGET, fast_estimate.peak_bytes(["off"] * 4))
+    unbounded = choose_modes(fast_estimate, budget, options)
+    host = fast_estimate.host_bytes(unbounded)
+    assert host > 0
+    bounded = choose_modes(fast_estimate, budget, options, host_budget_bytes=host - 1)
+    assert fast_estimate.host_bytes(bounded) <= host - 1
+    assert fast_estimate.peak_bytes(bounded) <= budget
+    # Applied with that host budget, the swaps fit the pool: nothing is kept on the device for lack of it.
+    clone = copy.deepcopy(model)
+    backend = SimBackend(FAST_LINK, SECONDS_PER_OP)
+    plan = hyperac.apply(clone, mode="auto", budget=BUDGET, sample=loss_fn, backend=backend, min_swap_bytes=0,
+                         host_budget_bytes=host - 1)
+    stats = hyperac.swap_stats(clone)
+    if stats is not None:
+        with backend.computing():
+            loss_fn(clone).backward()
+        backend.synchronize()
+        assert stats.skipped["budget"] == 0, str(plan)
+
