@@ -15,6 +15,7 @@ from hyperac_testing import assert_parity, kv_cache_disabled, lm_loss, measure, 
 
 import hyperac
 from hyperac.backends.sim import SimBackend
+from hyperac.measure import PeakMeter
 from hyperac.planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
 
 SECONDS_PER_OP = 50e-6
@@ -119,3 +120,16 @@ def test_host_budget_bounds_the_plans_pinned_bytes(model, loss_fn, fast_estimate
         backend.synchronize()
         assert stats.skipped["budget"] == 0, str(plan)
 
+
+
+def test_measured_peak_of_the_swap_plan_is_as_predicted(loss_fn, fast_plan):
+    """The peak counts each swapped layer's tensors until the next swapping layer's forward ends
+    (and from its backward's prefetch on): leaving them out would under-predict this plan by a third."""
+    clone, backend, plan = fast_plan
+    assert swapping(plan)
+    with backend.computing(), PeakMeter(clone.parameters()) as meter:
+        loss_fn(clone).backward()
+    backend.synchronize()
+    clone.zero_grad(set_to_none=True)
+    assert meter.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.01)
+    assert meter.peak_bytes <= plan.budget_bytes
