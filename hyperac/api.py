@@ -16,7 +16,14 @@ from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
 from .plan import LayerPlan, Plan, assign_modes, reversible_note
-from .planner import Estimate, auto_modes, estimate_layers, install_first_step_check, remove_first_step_check
+from .planner import (
+    Estimate,
+    auto_modes,
+    estimate_layers,
+    install_first_step_check,
+    plan_swaps,
+    remove_first_step_check,
+)
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap
 from .state import STATE_KEY, AppliedState, find_owned, undo
@@ -133,8 +140,8 @@ def _check_wrapped(layers: list[Layer], modes: list[str]) -> None:
 
 def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[str],
                 planned: list[bool] | None) -> list[bool]:
-    """Which layers take part in swap (``planned``: as ``mode="auto"`` chose). Swap is dropped, with a
-    warning, where it cannot work."""
+    """Which layers take part in swap (``planned``: as ``mode="auto"`` chose, or as ``Config.plan``
+    records). Swap is dropped, with a warning, where it cannot work."""
     wanted = [mode == "swap" or (config.swap_inputs and mode in RECOMPUTE_MODES)
               or (config.swap_selective_outputs and mode in SELECTIVE_MODES) or (planned is not None and planned[i])
               for i, mode in enumerate(modes)]
@@ -205,6 +212,8 @@ def apply(
     planned_swaps = None
     if config.plan is not None:
         modes = _modes_from_plan(config.plan, found)
+        if any(layer.swap for layer in config.plan.layers):  # the layers that offloaded offload again
+            modes, planned_swaps = plan_swaps(modes, [layer.swap for layer in config.plan.layers])
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
@@ -265,7 +274,7 @@ def _install(
     for index, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
             continue
-        saved_tensors = mode == "swap" or config.swap_inputs or planned_swaps is not None
+        saved_tensors = mode == "swap" or config.swap_inputs or bool(planned_swaps and planned_swaps[index])
         layer_swap = LayerSwap(state.swap, index != last_swap, saved_tensors) if swap else None
         if mode == "swap":
             claim(layer.module)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 from hyperac_testing import assert_parity, kv_cache_disabled, lm_loss, measure, tiny_llama, train_step
@@ -133,3 +134,33 @@ def test_measured_peak_of_the_swap_plan_is_as_predicted(loss_fn, fast_plan):
     clone.zero_grad(set_to_none=True)
     assert meter.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.01)
     assert meter.peak_bytes <= plan.budget_bytes
+
+
+def test_a_swap_plan_round_trips_through_json(model, loss_fn, fast_plan):
+    """``apply(plan=...)`` swaps the layers the plan marks ``swap``, not only those of ``swap`` mode."""
+    _, _, plan = fast_plan
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["predicted_swap_bytes"] == plan.predicted_swap_bytes
+    backend = SimBackend(FAST_LINK)
+    other = copy.deepcopy(model)
+    replayed = hyperac.apply(other, plan=data, backend=backend, min_swap_bytes=0)
+    assert [(p.mode, p.swap) for p in replayed.layers] == [(p.mode, p.swap) for p in plan.layers]
+    loss_fn(other).backward()
+    backend.synchronize()
+    assert hyperac.swap_stats(other).offloaded_bytes == pytest.approx(plan.predicted_swap_bytes, rel=0.02)
+
+
+def test_a_plan_swapping_recomputed_inputs_round_trips(model, loss_fn):
+    """Inputs swapped under full recompute (no ``swap`` mode to say so) survive the round trip."""
+    backend = SimBackend(FAST_LINK)
+    first = copy.deepcopy(model)
+    plan = hyperac.apply(first, mode="full", swap_inputs=True, min_swap_bytes=0, backend=backend)
+    other = copy.deepcopy(model)
+    replayed = hyperac.apply(other, plan=plan.to_dict(), backend=backend, min_swap_bytes=0)
+    assert [layer.swap for layer in replayed.layers] == [layer.swap for layer in plan.layers] == [True] * 3 + [False]
+    offloaded = []
+    for applied in (first, other):
+        loss_fn(applied).backward()
+        backend.synchronize()
+        offloaded.append(hyperac.swap_stats(applied).offloaded_bytes)
+    assert offloaded[0] == offloaded[1] > 0

@@ -12,7 +12,7 @@
 """
 
 from ..budget import parse_budget
-from .auto import auto_modes, estimate_layers
+from .auto import auto_modes, estimate_layers, plan_swaps
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, LayerEstimate
 from .devices import DEVICES, DeviceProfile, device_profile
 from .solver import choose_modes
@@ -31,5 +31,6 @@ __all__ = [
     "estimate_layers",
     "install_first_step_check",
     "parse_budget",
+    "plan_swaps",
     "remove_first_step_check",
 ]

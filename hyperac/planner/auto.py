@@ -75,12 +75,11 @@ def _link_bandwidth(backend: Any) -> float:
     return min(profile.host_link_bandwidth for profile in DEVICES.values())
 
 
-def plan_swaps(options: Sequence[str]) -> tuple[list[str], list[bool]]:
-    """Per-layer modes and swap flags (``apply``'s meaning) for the solver's options. When any layer
-    offloads, the last layer joins the swap chain without offloading (NOTE [Swap in the plan]);
-    ``off`` there becomes ``swap``, which keeps its tensors on the device as the chain's last layer."""
-    modes = [split_option(option)[0] if option != "swap" else "swap" for option in options]
-    swaps = [split_option(option)[1] for option in options]
+def plan_swaps(modes: Sequence[str], offloads: Sequence[bool]) -> tuple[list[str], list[bool]]:
+    """Per-layer modes and swap flags (``apply``'s meaning) for layers that offload. When any does,
+    the last layer joins the swap chain without offloading (NOTE [Swap in the plan]); ``off``
+    there becomes ``swap``, which keeps its tensors on the device as the chain's last layer."""
+    modes, swaps = list(modes), list(offloads)
     if any(swaps):
         swaps[-1] = True
         modes[-1] = "swap" if modes[-1] == "off" else modes[-1]
@@ -96,7 +95,8 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
     budget_bytes = parse_budget(budget, estimate.peak_bytes(off))
     options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
     chosen = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget_bytes)
-    modes, swaps = plan_swaps(chosen)
+    modes, swaps = plan_swaps([split_option(o)[0] if o != "swap" else o for o in chosen],
+                              [split_option(o)[1] for o in chosen])
     return modes, swaps, {
         "predicted_bytes": estimate.total_bytes(chosen),
         "predicted_peak_bytes": estimate.peak_bytes(chosen),
