@@ -118,7 +118,8 @@ class Plan:
                 f"predicted: peak {(self.predicted_peak_bytes or 0) / 2**20:.2f} MiB (budget "
                 f"{(self.budget_bytes or 0) / 2**20:.2f} MiB), {self.predicted_bytes / 2**20:.2f} MiB kept for "
                 f"backward, {(self.predicted_step_seconds or 0) * 1e3:.1f} ms per step, "
-                f"{(self.predicted_recompute_flops or 0) / 1e9:.3f} GFLOP replayed"
+                f"{(self.predicted_recompute_flops or 0) / 1e9:.3f} GFLOP replayed, "
+                f"{(self.predicted_swap_bytes or 0) / 2**20:.2f} MiB swapped to host"
             )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)

@@ -126,14 +126,16 @@ class Estimate:
             seconds += max(0.0, copy - FORWARD_SHARE * behind) + max(0.0, copy - (1 - FORWARD_SHARE) * behind)
         return seconds
 
+    def layer_host_bytes(self, position: int, option: str) -> int:
+        """Pinned host bytes layer ``position``'s swap holds under ``option`` (NOTE [Swap in the plan])."""
+        nbytes = self.offload_bytes(position, option)
+        if not nbytes:
+            return 0
+        return 2 * nbytes if option == "swap" else 1 << (nbytes - 1).bit_length()
+
     def host_bytes(self, options: Sequence[str]) -> int:
-        """Pinned host bytes the plan's swaps hold (NOTE [Swap in the plan])."""
-        total = 0
-        for position, option in enumerate(options):
-            nbytes = self.offload_bytes(position, option)
-            if nbytes:
-                total += 2 * nbytes if option == "swap" else 1 << (nbytes - 1).bit_length()
-        return total
+        """Pinned host bytes the plan's swaps hold."""
+        return sum(self.layer_host_bytes(p, o) for p, o in enumerate(options))
 
     def total_bytes(self, modes: Sequence[str]) -> int:
         """Predicted activation bytes kept on the device when backward starts, with these per-layer

@@ -58,11 +58,11 @@ def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = E
     while True:
         chosen = _solve(estimate, budget_bytes, target, allowed, grid, bound, objective)
         if host_budget_bytes is not None and estimate.host_bytes(chosen) > host_budget_bytes:
-            heaviest = max(range(count), key=lambda p: estimate.host_bytes([*["off"] * p, chosen[p]]))
+            heaviest = max(range(count), key=lambda p: estimate.layer_host_bytes(p, chosen[p]))
             allowed[heaviest] = [m for m in allowed[heaviest] if not split_option(m)[1]]
             continue
         excess = measure(chosen) - budget_bytes
-        if excess <= 0:
+        if excess <= 0 or not any(split_option(m)[1] for m in chosen):
             return chosen
         target -= excess  # bytes in flight between swapping layers (NOTE [Swap in the plan])
         if measure(["full"] * count) > target:
