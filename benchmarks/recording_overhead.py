@@ -33,24 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from recompute_modes import titan_context_fn  # noqa: E402
 
 from hyperac.backends import get_backend  # noqa: E402
+from hyperac.measure import OpCounter  # noqa: E402
 from hyperac.policy import resolve_op_sets, selective_contexts  # noqa: E402
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _layer_and_inputs() -> tuple[torch.nn.Module, tuple, dict]:
@@ -87,7 +77,7 @@ def main() -> int:
     def forward() -> None:
         layer(*args, **kwargs)
 
-    counter = _OpCounter()
+    counter = OpCounter()
     with counter:
         forward()
     num_ops = counter.count

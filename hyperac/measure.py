@@ -21,7 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["ActivationMeter", "PeakMeter", "StorageTimeline", "created_storages", "flop_counter", "step_peak"]
+__all__ = [
+    "ActivationMeter", "OpCounter", "PeakMeter", "StorageTimeline", "created_storages", "flop_counter", "step_peak",
+]
 
 
 def created_storages(inputs: Any, out: Any) -> list[torch.UntypedStorage]:
@@ -275,3 +277,15 @@ def step_peak(model: Any, batch: dict[str, Any]) -> int:
     del output
     model.zero_grad(set_to_none=True)
     return int(meter.peak_bytes)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active (``count``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))

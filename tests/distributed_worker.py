@@ -19,12 +19,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
-import datetime
 import functools
-import json
-import os
-import sys
-import traceback
 import types
 from typing import Any
 
@@ -32,6 +27,7 @@ import torch
 import torch.distributed as dist
 from hyperac_testing import tiny_llama, tiny_qwen2_moe
 from torch import nn
+from worker_driver import Step, main, record
 
 import hyperac
 
@@ -142,9 +138,6 @@ def local_batch() -> torch.Tensor:
     return global_batch()[rank * PER_RANK:(rank + 1) * PER_RANK]
 
 
-Step = tuple[torch.Tensor, dict[str, torch.Tensor]]
-
-
 def reference(base: nn.Module) -> Step:
     """One step of the un-applied model on the global batch, in this process alone."""
     model = copy.deepcopy(base)
@@ -154,21 +147,6 @@ def reference(base: nn.Module) -> Step:
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def compare(result: Step, expected: Step) -> tuple[float, bool]:
-    """(largest absolute difference, bitwise equal) of loss and gradients."""
-    loss, grads = result
-    expected_loss, expected_grads = expected
-    if grads.keys() != expected_grads.keys():
-        different = sorted(set(expected_grads) ^ set(grads))
-        raise AssertionError(f"a different set of parameters got gradients: {different[:4]}")
-    diffs = [(loss - expected_loss).abs().max().item()]
-    equal = torch.equal(loss, expected_loss)
-    for name, grad in expected_grads.items():
-        diffs.append((grads[name] - grad).abs().max().item())
-        equal = equal and torch.equal(grads[name], grad)
-    return max(diffs), equal
 
 
 def averaged_loss(loss: torch.Tensor) -> torch.Tensor:
@@ -308,40 +286,16 @@ def run_cases(cases: list[Case]) -> dict[str, Any]:
             bases[case.model] = build(case.model)
             references[case.model] = reference(bases[case.model])
         run = run_fsdp if case.wrapper == "fsdp" else run_ddp
-        try:
-            step, info = run(case, bases[case.model])
-        except Exception as error:  # recorded; the test reports it
-            dist.barrier()
-            results[case.key] = {"error": f"{type(error).__name__}: {error}",
-                                 "traceback": traceback.format_exc()[-4000:]}
-            continue
-        steps[case.key] = step
-        info["max_diff"], _ = compare(step, references[case.model])
-        if case.baseline in steps and case.key != case.baseline:
-            info["bitwise"] = compare(step, steps[case.baseline])[1]
-        info["loss"] = step[0].item()
-        results[case.key] = info
+        record(results, steps, case, lambda case=case, run=run: (*run(case, bases[case.model]), references[case.model]))
     return results
 
 
-def main() -> None:
-    if sys.argv[1:] == ["--list"]:
-        print("\n".join(case.key for case in CASES))
-        return
-    output, groups = sys.argv[1], set(sys.argv[2:] or ("fsdp", "ddp"))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    try:
-        if dist.get_world_size() != WORLD:
-            raise SystemExit(f"run with --nproc_per_node={WORLD}")
-        results = run_cases([case for case in CASES if case.wrapper in groups])
-        if dist.get_rank() == 0:
-            with open(output + ".tmp", "w") as handle:
-                json.dump(results, handle, indent=1, sort_keys=True)
-            os.replace(output + ".tmp", output)
-    finally:
-        dist.destroy_process_group()
+def run_groups(groups: list[str]) -> dict[str, Any]:
+    if dist.get_world_size() != WORLD:
+        raise SystemExit(f"run with --nproc_per_node={WORLD}")
+    wrappers = set(groups or ("fsdp", "ddp"))
+    return run_cases([case for case in CASES if case.wrapper in wrappers])
 
 
 if __name__ == "__main__":
-    main()
+    main(CASES, run_groups)

@@ -26,12 +26,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
-import json
-import os
+import functools
 import re
-import sys
-import traceback
 from typing import Any
 
 import torch
@@ -39,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hyperac_testing import tiny_llama
 from torch import nn
+from worker_driver import Step, main, record
 
 import hyperac
 
@@ -88,24 +85,8 @@ def _cases() -> list[Case]:
 CASES = _cases()
 WORLD = {"tp": 2, "ep": 2, "pp": 2, "fsdp_tp": 4}
 
-Step = tuple[torch.Tensor, dict[str, torch.Tensor]]
-
-
 def batch(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def compare(result: Step, expected: Step) -> tuple[float, bool]:
-    """(largest absolute difference, bitwise equal) of loss and gradients."""
-    (loss, grads), (expected_loss, expected_grads) = result, expected
-    if grads.keys() != expected_grads.keys():
-        raise AssertionError(f"a different set of parameters got gradients: {sorted(set(grads) ^ set(expected_grads))}")
-    diffs = [(loss - expected_loss).abs().max().item()]
-    equal = torch.equal(loss, expected_loss)
-    for name, grad in expected_grads.items():
-        diffs.append((grads[name] - grad).abs().max().item())
-        equal = equal and torch.equal(grads[name], grad)
-    return max(diffs), equal
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -473,52 +454,31 @@ def run_cases(cases: list[Case]) -> dict[str, Any]:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")) if world == 4 else init_device_mesh(
         "cpu", (world,))
+    def run(case: Case) -> tuple[Step, dict[str, Any], Step]:
+        if case.group in ("tp", "fsdp_tp"):
+            if case.group not in references:
+                rows = 4 if case.group == "fsdp_tp" else 2
+                references[case.group] = llama_reference(llama, batch(rows))
+            step, info = run_tp(case, llama, mesh)
+        elif case.group == "ep":
+            references.setdefault("ep", moe_reference(moe))
+            step, info = run_ep(case, moe)
+        else:
+            references.setdefault("pp", pipeline_reference(pipeline))
+            step, info = run_pp(case, pipeline)
+        return step, info, references[case.group]
+
     for case in cases:
-        try:
-            if case.group in ("tp", "fsdp_tp"):
-                if case.group not in references:
-                    rows = 4 if case.group == "fsdp_tp" else 2
-                    references[case.group] = llama_reference(llama, batch(rows))
-                step, info = run_tp(case, llama, mesh)
-            elif case.group == "ep":
-                references.setdefault("ep", moe_reference(moe))
-                step, info = run_ep(case, moe)
-            else:
-                references.setdefault("pp", pipeline_reference(pipeline))
-                step, info = run_pp(case, pipeline)
-        except Exception as error:  # recorded; the test reports it
-            dist.barrier()
-            results[case.key] = {"error": f"{type(error).__name__}: {error}",
-                                 "traceback": traceback.format_exc()[-4000:]}
-            continue
-        steps[case.key] = step
-        info["max_diff"], _ = compare(step, references[case.group])
-        if case.baseline in steps and case.key != case.baseline:
-            info["bitwise"] = compare(step, steps[case.baseline])[1]
-        info["loss"] = step[0].item()
-        results[case.key] = info
+        record(results, steps, case, functools.partial(run, case))
     return results
 
 
-def main() -> None:
-    if sys.argv[1:] == ["--list"]:
-        print("\n".join(case.key for case in CASES))
-        return
-    output, groups = sys.argv[1], sys.argv[2:]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    try:
-        wrong = sorted({g for g in groups if WORLD[g] != dist.get_world_size()})
-        if wrong:
-            raise SystemExit(f"groups {wrong} need --nproc_per_node={WORLD[wrong[0]]}")
-        results = run_cases([case for case in CASES if case.group in groups])
-        if dist.get_rank() == 0:
-            with open(output + ".tmp", "w") as handle:
-                json.dump(results, handle, indent=1, sort_keys=True)
-            os.replace(output + ".tmp", output)
-    finally:
-        dist.destroy_process_group()
+def run_groups(groups: list[str]) -> dict[str, Any]:
+    wrong = sorted({g for g in groups if WORLD[g] != dist.get_world_size()})
+    if wrong:
+        raise SystemExit(f"groups {wrong} need --nproc_per_node={WORLD[wrong[0]]}")
+    return run_cases([case for case in CASES if case.group in groups])
 
 
 if __name__ == "__main__":
-    main()
+    main(CASES, run_groups)

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..measure import OpCounter
 
 __all__ = ["HostCosts", "host_costs"]
 
@@ -54,16 +55,6 @@ class _Chain(nn.Module):
         return x.sum()
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).backward()
 
@@ -88,7 +79,7 @@ def host_costs(device: torch.device, runner: Callable[..., Callable[[str], Calla
                 readings.append(time.perf_counter() - start)
             finally:
                 undo()
-    counter = _OpCounter()
+    counter = OpCounter()
     with counter:
         _step(model, x)
     recorded = 2 * 2 * _ITERATIONS  # blocks x ops per iteration x iterations
