@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from .budget import parse_budget
 from .errors import ConfigError
 
 __all__ = ["MODES", "Config", "LayerRule", "LayerSpec"]
@@ -237,7 +238,6 @@ class Config:
         self._check_swap_needs()
 
     def _check_auto(self) -> None:
-        from .budget import parse_budget
         from .plan import Plan
 
         if self.mode == "auto":

@@ -257,13 +257,11 @@ class _Region:
         self.forward_done = False
 
     def __call__(self, *args: Any) -> Any:
-        if not self.caches:
-            return self.call(*args, **self.kwargs)
-        if not self.forward_done:
-            self.forward_done = True
-            return self.call(*args, **self.kwargs)
-        replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
-        return self.call(*args, **replay_kwargs)
+        if self.caches and self.forward_done:
+            replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
+            return self.call(*args, **replay_kwargs)
+        self.forward_done = True
+        return self.call(*args, **self.kwargs)
 
 
 class RecomputedForward(Override):

@@ -454,19 +454,19 @@ def run_cases(cases: list[Case]) -> dict[str, Any]:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")) if world == 4 else init_device_mesh(
         "cpu", (world,))
+    reference_of = {
+        "tp": lambda: llama_reference(llama, batch(2)), "fsdp_tp": lambda: llama_reference(llama, batch(4)),
+        "ep": lambda: moe_reference(moe), "pp": lambda: pipeline_reference(pipeline),
+    }
+    run_of = {
+        "tp": lambda case: run_tp(case, llama, mesh), "fsdp_tp": lambda case: run_tp(case, llama, mesh),
+        "ep": lambda case: run_ep(case, moe), "pp": lambda case: run_pp(case, pipeline),
+    }
+
     def run(case: Case) -> tuple[Step, dict[str, Any], Step]:
-        if case.group in ("tp", "fsdp_tp"):
-            if case.group not in references:
-                rows = 4 if case.group == "fsdp_tp" else 2
-                references[case.group] = llama_reference(llama, batch(rows))
-            step, info = run_tp(case, llama, mesh)
-        elif case.group == "ep":
-            references.setdefault("ep", moe_reference(moe))
-            step, info = run_ep(case, moe)
-        else:
-            references.setdefault("pp", pipeline_reference(pipeline))
-            step, info = run_pp(case, pipeline)
-        return step, info, references[case.group]
+        if case.group not in references:  # once per group: the references draw no global random numbers
+            references[case.group] = reference_of[case.group]()
+        return (*run_of[case.group](case), references[case.group])
 
     for case in cases:
         record(results, steps, case, functools.partial(run, case))
