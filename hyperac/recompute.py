@@ -257,11 +257,13 @@ class _Region:
         self.forward_done = False
 
     def __call__(self, *args: Any) -> Any:
-        if self.caches and self.forward_done:
-            replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
-            return self.call(*args, **replay_kwargs)
-        self.forward_done = True
-        return self.call(*args, **self.kwargs)
+        if not self.caches:  # no Python state written here: under torch.compile that would break the graph
+            return self.call(*args, **self.kwargs)
+        if not self.forward_done:
+            self.forward_done = True
+            return self.call(*args, **self.kwargs)
+        replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
+        return self.call(*args, **replay_kwargs)
 
 
 class RecomputedForward(Override):
