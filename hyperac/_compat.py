@@ -36,6 +36,10 @@ both sides of that change behave as torch 2.13 does.
   storage object; a detached alias or a view adds one.
 * ``untyped_storage().resize_(0)`` frees the bytes, and growing it back keeps the tensor valid.
 
+``torch._C._dynamo.eval_frame.set_eval_frame`` (torch.compile's frame hook) lets the eager
+recording and replay modes turn frame compilation off once per region (NOTE [Dispatch modes and
+torch.compile] in policy.py); where it is missing they keep torch's per-op guard.
+
 Imported directly, so a missing one fails ``import hyperac`` loudly rather than changing behaviour:
 ``torch.utils._pytree``, ``torch.utils._python_dispatch`` (``TorchDispatchMode``,
 ``_disable_current_modes``) and ``torch.utils.flop_counter`` (``sdpa_flop_count``,
@@ -54,7 +58,10 @@ from torch.utils import checkpoint as torch_recompute
 from .config import SELECTIVE_MODES, Config
 from .errors import TorchVersionError
 
-__all__ = ["MIN_TORCH", "SAC_CHECKPOINT_KWARGS", "TESTED_TORCH", "require", "require_for", "storage_use_count"]
+__all__ = [
+    "FRAME_HOOK_AVAILABLE", "MIN_TORCH", "SAC_CHECKPOINT_KWARGS", "TESTED_TORCH", "pause_frame_compilation", "require",
+    "require_for", "resume_frame_compilation", "storage_use_count",
+]
 
 # The torch releases the whole suite runs on (tox -e cpu, tox -e torch-newest), and the floor
 # pyproject.toml declares (older releases lack the internals probed below). Newer releases are not
@@ -169,3 +176,21 @@ def _probe_storage_use_count() -> str | None:
     if tensor.tolist() != [0.0, 1.0, 2.0, 3.0]:
         return "a tensor whose storage was resized to zero and back does not hold new data"
     return None
+
+
+try:
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+except ImportError:  # a build without dynamo's frame hook: the modes keep torch's per-op guard
+    _set_eval_frame = None
+FRAME_HOOK_AVAILABLE = _set_eval_frame is not None
+
+
+def pause_frame_compilation() -> Any:
+    """Stop torch.compile from compiling the frames run from here on, if it was about to; returns
+    what :func:`resume_frame_compilation` needs to restore it (NOTE [Dispatch modes and torch.compile])."""
+    return None if _set_eval_frame is None else _set_eval_frame(None)
+
+
+def resume_frame_compilation(paused: Any) -> None:
+    if paused is not None:
+        _set_eval_frame(paused)

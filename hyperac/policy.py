@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
 from .errors import RecomputeMismatchError
 
@@ -262,7 +263,40 @@ def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
     )
 
 
-class _RecordingMode(TorchDispatchMode):
+class _EagerMode(TorchDispatchMode):
+    """Base of the recording and replay modes: no per-op guard against torch.compile.
+
+    NOTE [Dispatch modes and torch.compile]
+    torch wraps every ``TorchDispatchMode`` subclass's ``__torch_dispatch__`` in
+    ``torch._dynamo.disable``, so that torch.compile never compiles a dispatch frame; the wrapper
+    costs a few microseconds per op, about a sixth of what pointwise recompute adds to a small
+    layer (``benchmarks/recording_overhead.py``). These modes run only in eager regions, so they
+    turn frame compilation off once instead, on entering, if torch.compile's frame hook is set at
+    all (a compiled function that fell back to eager at a graph break is running the region), and
+    back on when they exit (:func:`~hyperac._compat.pause_frame_compilation`): no frame under them
+    is compiled, as with the wrapper, for two calls per region rather than two per op.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not FRAME_HOOK_AVAILABLE
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __enter__(self):
+        self.paused_hook = pause_frame_compilation()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            resume_frame_compilation(self.paused_hook)
+
+
+class _RecordingMode(_EagerMode):
     """Runs a region's forward, keeping the outputs the policy keeps (on a :class:`_Tape`).
 
     NOTE [Writes into kept outputs]
@@ -287,10 +321,6 @@ class _RecordingMode(TorchDispatchMode):
         self.table = policy.ops.table
         self.on_save = on_save
         self.kept_storages: dict[int, list[tuple[_Kept, int]]] = {}
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -351,7 +381,7 @@ def _creates_constant(op: Any) -> bool:
     )
 
 
-class _ReplayMode(TorchDispatchMode):
+class _ReplayMode(_EagerMode):
     """Runs a region's recompute: returns the kept outputs from the tape, runs every other op.
 
     NOTE [Replays that cannot use the tape]
@@ -373,10 +403,6 @@ class _ReplayMode(TorchDispatchMode):
         self.table = ops.table
         self.before_replay = before_replay
         self.cursor = 0
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
     def __enter__(self):
         if self.before_replay is not None:

@@ -288,9 +288,17 @@ class RecomputedForward(Override):
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)
-        if self.swap is None:
-            return run()
-        return self.swap.manager.run_layer(self.swap.offload, run, (args, kwargs), self.swap.saved_tensors)
+        if self.swap is not None:
+            run = functools.partial(self.swap.manager.run_layer, self.swap.offload, run, (args, kwargs),
+                                    self.swap.saved_tensors)
+        if torch.compiler.is_compiling() and self._untraceable():
+            return _eager_region(run)
+        return run()
+
+    def _untraceable(self) -> bool:
+        """Whether torch.compile cannot trace this region (NOTE [Eager regions under torch.compile])."""
+        compiled = isinstance(self.context, RecomputeContext) and self.context.compile
+        return self.swap is not None or (self.context is not None and not compiled)
 
 
 class SwappedForward(Override):
@@ -345,6 +353,22 @@ def install_swap(module: nn.Module, owner: AppliedState, fqn: str, swap: LayerSw
 def install_exclusion(module: nn.Module, owner: AppliedState, fqn: str) -> None:
     """Keep ``module`` out of the replay of the region around it (sets ``module.forward``)."""
     ExcludedForward(module, owner, fqn).install()
+
+
+# NOTE [Eager regions under torch.compile]
+# A layer applied with ``compile=False`` whose model the user then compiles: its region's
+# context (hyperac's recording and replay modes, swap hooks) is Python that torch.compile cannot
+# trace into a graph, and ``torch.utils.checkpoint`` under dynamo accepts only traceable contexts.
+# So the region runs outside the graph, eagerly (a graph break before and after the layer), as
+# everything the compiler cannot trace does; the rest of the model is compiled. Full recompute
+# without swap or buffers has no context and is traced, as are ``compile=True`` layers (see
+# ``policy.compile_context_fn``).
+
+
+@torch._disable_dynamo
+def _eager_region(run: Callable[[], Any]) -> Any:
+    """Run a recomputed region outside torch.compile's graph (NOTE [Eager regions under torch.compile])."""
+    return run()
 
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:

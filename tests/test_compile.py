@@ -121,6 +121,28 @@ def test_whole_model_compiled_after_apply(base_model, loss_fn, reference):
         hyperac.apply(compiled, mode="selective", compile=True)
 
 
+@pytest.mark.parametrize("mode", ["selective", "pointwise", "full"])
+def test_eager_layers_inside_a_compiled_model(base_model, loss_fn, reference, mode, monkeypatch):
+    """Applied without ``compile=True``, then the whole model compiled: the regions run eagerly
+    between graphs (NOTE [Eager regions under torch.compile]) instead of failing inside dynamo's
+    checkpoint support ("checkpoint not implemented for ... context_fn"), and still recompute."""
+    from hyperac import policy
+
+    replayed = []
+    original = policy._ReplayMode.__torch_dispatch__
+    monkeypatch.setattr(policy._ReplayMode, "__torch_dispatch__",
+                        lambda self, *args, **kwargs: replayed.append(1) or original(self, *args, **kwargs))
+    model = copy.deepcopy(base_model)
+    hyperac.apply(model, mode=mode)
+    compiled = torch.compile(model, backend="aot_eager")
+    model.train()
+    torch.manual_seed(1)
+    loss = loss_fn(compiled)
+    loss.backward()
+    assert_parity(reference, (loss.detach(), {n: p.grad for n, p in model.named_parameters()}), exact=False)
+    assert bool(replayed) == (mode != "full")
+
+
 def test_layers_compiled_before_apply(base_model, loss_fn, reference):
     """``layer.compile()`` only marks the layer; tracing waits for the first call, so apply may come after."""
     model = copy.deepcopy(base_model)

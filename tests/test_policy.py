@@ -437,3 +437,27 @@ def test_kept_op_that_draws_random_numbers_leaves_the_rng_where_the_forward_did(
 
     reference = step(recompute=False)
     assert_parity(reference, step(recompute=True))
+
+
+@pytest.mark.parametrize("mode", ["selective", "pointwise"])
+def test_recording_and_replay_pay_no_compiler_guard_per_op(mode):
+    """torch wraps each dispatch mode's ``__torch_dispatch__`` in ``torch._dynamo.disable`` (a frame
+    hook switch per op); hyperac's modes switch once per region instead (NOTE [Dispatch modes and
+    torch.compile]). Seen in a profile of a whole step: hyperac's dispatch runs for every op, and
+    never from dynamo's wrapper."""
+    import cProfile
+    import pstats
+
+    model = tiny_llama(num_layers=2)
+    hyperac.apply(model, mode=mode)
+    loss_fn = lm_loss()
+    train_step(model, loss_fn)
+    profile = cProfile.Profile()
+    profile.enable()
+    train_step(model, loss_fn)
+    profile.disable()
+    dispatches = {key: entry for key, entry in pstats.Stats(profile).stats.items()
+                  if key[0].endswith("policy.py") and key[2] == "__torch_dispatch__"}
+    assert sum(entry[0] for entry in dispatches.values()) > 200  # recording and replay, every op
+    callers = {caller for entry in dispatches.values() for caller in entry[4]}
+    assert not [caller for caller in callers if "_dynamo" in caller[0] or caller[0].endswith("_compile.py")]

@@ -30,8 +30,9 @@ __all__ = ["auto_modes", "estimate_layers"]
 Runner = Callable[[nn.Module, Sequence[str] | None], Callable[[str], Callable[[], None]]]
 """``runner(model, containers)(mode)`` applies ``mode`` to every layer of those containers (``None``:
 discovered) and returns the undo."""
-TIMED_STEPS = 2
-"""Timed steps per mode after the profiled one, on real tensors (the fastest per layer is used)."""
+TIMED_ROUNDS = 3
+"""Timed rounds of one step per mode after the profiled steps, on real tensors (NOTE [Timing on a
+drifting host] in :mod:`.profile`)."""
 
 
 def _device_type(model: nn.Module) -> str:
@@ -55,7 +56,7 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
         profiles = profile_modes(
             model, sample, [layer.module for layer in layers], ESTIMATE_MODES,
             runner(model, list(dict.fromkeys(layer.container for layer in layers))),
-            timed_steps=0 if on_meta else TIMED_STEPS, synchronize=backend.synchronize,
+            rounds=0 if on_meta else TIMED_ROUNDS, synchronize=backend.synchronize,
         )
     if not on_meta:
         return build_estimate(layers, profiles, timing=f"measured on {backend.name}",

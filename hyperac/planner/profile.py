@@ -4,7 +4,8 @@ Per mode, one step runs under :class:`_Profiler`, a dispatch mode that attribute
 layer running it (through forward hooks on the profiled model's own modules, removed afterwards:
 nothing global) and records a :class:`~hyperac.measure.StorageTimeline`, the FLOPs, the bytes each
 op moves and the op counts. On real tensors, further steps then run without the profiler, timed
-at the layers' boundaries (:class:`_Clock`), since a dispatch mode slows every op it sees.
+at the layers' boundaries (:class:`_Clock`), since a dispatch mode slows every op it sees, in
+interleaved rounds (NOTE [Timing on a drifting host]).
 
 NOTE [Peak phases]
 The step's peak is predicted for any mix of per-layer modes from uniform-mode profiles. At each op
@@ -21,6 +22,8 @@ own modes (``CostModel.peak_bytes``).
 from __future__ import annotations
 
 import dataclasses
+import random
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -280,21 +283,72 @@ def _timed_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module
 
 def profile_modes(
     model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: Sequence[str],
-    run_mode: Callable[[str], Callable[[], None]], timed_steps: int, synchronize: Callable[[], None],
+    run_mode: Callable[[str], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
 ) -> dict[str, ModeProfile]:
     """Profile one step per mode (``run_mode(mode)`` applies it and returns an undo callable),
-    then time ``timed_steps`` more (the fastest reading per layer is kept: on a shared machine the
-    slow readings are other processes' work)."""
+    then time ``rounds`` rounds of one step per mode (NOTE [Timing on a drifting host])."""
     profiles = {}
     for mode in modes:
         undo = run_mode(mode)
         try:
             profiles[mode] = _profiled_step(model, sample, layer_modules)
-            model.zero_grad(set_to_none=True)
-            readings = [_timed_step(model, sample, layer_modules, synchronize) for _ in range(timed_steps)]
         finally:
             undo()
-        if readings:
-            profiles[mode].seconds = {key: min(r[key] for r in readings) for key in readings[0]}
         model.zero_grad(set_to_none=True)
+    if rounds:
+        for mode, seconds in _timed_rounds(model, sample, layer_modules, modes, run_mode, rounds,
+                                           synchronize).items():
+            profiles[mode].seconds = seconds
+        _pool_identical_layers(profiles, len(layer_modules))
     return profiles
+
+
+def _pool_identical_layers(profiles: dict[str, ModeProfile], count: int) -> None:
+    """Give layers that do the same work the mean of their seconds, per mode (NOTE [Timing on a
+    drifting host]): the same work in every mode (op counts, FLOPs, kept bytes) costs the same time,
+    and the mean over the group is the steadier reading. Layers that differ (a MoE layer between
+    dense ones, sliding-window attention next to global) keep their own."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for position in range(count):
+        groups[tuple((p.forward_ops.get(position), p.backward_ops.get(position), p.backward_flops.get(position),
+                      p.kept.get(position)) for p in profiles.values())].append(position)
+    for positions in groups.values():
+        for profile in profiles.values():
+            mean = statistics.fmean(profile.seconds[p] for p in positions)
+            profile.seconds.update(dict.fromkeys(positions, mean))
+
+
+# NOTE [Timing on a drifting host]
+# A shared host's speed drifts: on a 2-core CI machine the same step's thread CPU time varies
+# 1.4-1.7x from one step to the next. Modes timed one after another (all of one mode's steps, then
+# the next's) then compare readings from different speeds, and the plan follows the noise (a mode
+# timed in a fast moment looks cheap). So the modes are timed in interleaved rounds (one step per
+# mode a round, the order shuffled by a seeded generator of its own), each reading is divided by
+# the ``off`` step of its round, and a layer's seconds are the median of those ratios times the
+# median ``off`` step: a plan's predicted time is on the scale of the median step, and its ratio
+# to ``off`` is the median of per-round ratios that ``benchmarks/planner_targets.py`` measures.
+# The profiled step before the rounds warms each mode up (first-call costs stay out of the rounds).
+
+
+def _timed_rounds(
+    model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: Sequence[str],
+    run_mode: Callable[[str], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
+) -> dict[str, dict[int | None, float]]:
+    """Per mode, the seconds by layer (``None``: outside the layers) of NOTE [Timing on a drifting host]."""
+    readings: dict[str, list[dict[int | None, float]]] = {mode: [] for mode in modes}
+    order, shuffle = list(modes), random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for mode in order:
+            undo = run_mode(mode)
+            try:
+                readings[mode].append(_timed_step(model, sample, layer_modules, synchronize))
+            finally:
+                undo()
+    reference = [sum(step.values()) for step in readings["off" if "off" in readings else modes[0]]]
+    scale = statistics.median(reference)
+    return {
+        mode: {key: scale * statistics.median(step[key] / total for step, total in zip(steps, reference))
+               for key in steps[0]}
+        for mode, steps in readings.items()
+    }
