@@ -66,7 +66,7 @@ def test_auto_swaps_on_a_fast_link_and_the_device_saving_is_as_predicted(model, 
     backend.synchronize()
     clone.zero_grad(set_to_none=True)
     # What left the device, by the swap machinery's own count and by the bytes alive at backward start.
-    assert stats.offloaded_bytes == pytest.approx(plan.predicted_swap_bytes, rel=0.02)
+    assert stats.offloaded_bytes == plan.predicted_swap_bytes  # storage by storage (NOTE [What a swap would move])
     assert stats.skipped["budget"] == 0
     assert kept == pytest.approx(plan.predicted_bytes, rel=0.02)
     unswapped = [layer.mode if layer.mode != "swap" else "off" for layer in plan.layers]
@@ -200,7 +200,7 @@ def test_a_swap_plan_round_trips_through_json(model, loss_fn, fast_plan):
     assert [(p.mode, p.swap) for p in replayed.layers] == [(p.mode, p.swap) for p in plan.layers]
     loss_fn(other).backward()
     backend.synchronize()
-    assert hyperac.swap_stats(other).offloaded_bytes == pytest.approx(plan.predicted_swap_bytes, rel=0.02)
+    assert hyperac.swap_stats(other).offloaded_bytes == plan.predicted_swap_bytes
 
 
 def test_a_plan_swapping_recomputed_inputs_round_trips(model, loss_fn):

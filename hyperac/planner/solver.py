@@ -45,8 +45,10 @@ def _cost(estimate: Estimate, position: int, mode: str, objective: str) -> float
 # then the one Estimate.peak_bytes makes, and the answer is the optimum over all plans, up to the
 # byte grid. More than MAX_IN_FLIGHT distinct values are rounded up to the next kept one (a plan
 # then never exceeds the budget, but may be a little worse than the best). The host dimension is
-# added only when the best plan without it holds more pinned bytes than the host budget; its grid
-# is coarser (HOST_GRID units, the byte grid shrunk by as much), rounded up alike.
+# added only when the best plan without it holds more pinned bytes than the host budget, on a
+# coarse grid (HOST_GRID host units, the byte grid 64 times coarser, both rounded up alike): a
+# plan never exceeds either budget, but on a large model it may leave part of the host budget
+# unused (a 128-layer model: about a third) and take a second or two.
 MAX_IN_FLIGHT = 16
 HOST_GRID = 128
 
@@ -76,7 +78,7 @@ def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = E
     program = _Program(estimate, budget_bytes, allowed, bound, objective)
     chosen = program.solve(grid)
     if chosen is not None and host_budget_bytes is not None and estimate.host_bytes(chosen) > host_budget_bytes:
-        chosen = program.solve(max(grid // 64, 1), host_budget_bytes)
+        chosen = program.solve(max(grid // 64, 1), host_budget_bytes, max(HOST_GRID, grid // 512))
     floor = measure(["full"] * count)
     if chosen is not None:
         return chosen
@@ -124,8 +126,8 @@ class _Program:
         layer, mode = self.estimate.layers[position], split_option(option)[0]
         return max(layer.forward_peak_bytes[mode], layer.backward_peak_bytes[mode])
 
-    def solve(self, grid: int, host_budget: int | None = None) -> list[str] | None:
-        """The cheapest plan on a grid of about ``grid`` byte units (and ``HOST_GRID`` host units
+    def solve(self, grid: int, host_budget: int | None = None, host_grid: int = HOST_GRID) -> list[str] | None:
+        """The cheapest plan on a grid of about ``grid`` byte units (and ``host_grid`` host units
         under ``host_budget``), or ``None`` if none fits."""
         estimate, allowed, budget = self.estimate, self.allowed, self.budget
         if budget < 0:
@@ -139,7 +141,7 @@ class _Program:
         if host_budget is None:
             host_slots, host_steps = 1, [[0] * len(options) for options in allowed]
         else:
-            host_unit = _unit([h for per_layer in self.hosts for h in per_layer], host_budget, HOST_GRID)
+            host_unit = _unit([h for per_layer in self.hosts for h in per_layer], host_budget, host_grid)
             host_slots = host_budget // host_unit + 1
             host_steps = [[math.ceil(h / host_unit) for h in per_layer] for per_layer in self.hosts]
         states = len(self.in_flight)
