@@ -37,7 +37,7 @@ import hyperac
 from hyperac import ConfigError, HyperACWarning
 from hyperac._hf import TrainingCacheDefault
 from hyperac.measure import PeakMeter, measure_step
-from hyperac.planner import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, LayerEstimate, parse_budget
+from hyperac.planner import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, LayerEstimate, parse_budget, solver
 from hyperac.planner import choose_modes as choose_by_peak_and_time
 
 
@@ -277,16 +277,41 @@ def test_choose_modes_with_swap_matches_brute_force(layers):
     assert checked >= 40 and swapping >= 10, (checked, swapping)
 
 
+def test_choose_modes_with_swap_rounds_up_within_both_budgets(monkeypatch):
+    """Past its exact grids (more in-flight values than MAX_IN_FLIGHT, coarse byte and host grids)
+    the solver rounds up: its plan may be slower than the best, but never over either budget."""
+    monkeypatch.setattr(solver, "MAX_IN_FLIGHT", 3)
+    monkeypatch.setattr(solver, "HOST_GRID", 4)
+    checked = swapping = 0
+    for seed in range(20):
+        estimate = random_swap_estimate(seed, 4)
+        plans = [(estimate.peak_bytes(p), estimate.host_bytes(p)) for p in all_plans(estimate)]
+        rng = random.Random(seed)
+        hosts = sorted({host for _, host in plans if host})
+        for budget in rng.sample(sorted({peak for peak, _ in plans}), 5):
+            for host_budget in (None, *rng.sample(hosts, min(len(hosts), 2))):
+                try:
+                    chosen = choose_by_peak_and_time(estimate, budget, ESTIMATE_MODES + SWAP_OPTIONS, grid=64,
+                                                     host_budget_bytes=host_budget)
+                except ConfigError:  # rounded up, only a plan below full recompute's peak fitted
+                    assert estimate.peak_bytes(["full"] * 4) > budget
+                    continue
+                assert estimate.peak_bytes(chosen) <= budget, (seed, budget, chosen)
+                assert host_budget is None or estimate.host_bytes(chosen) <= host_budget, (seed, host_budget, chosen)
+                checked += 1
+                swapping += any("swap" in option for option in chosen)
+    assert checked >= 100 and swapping >= 20, (checked, swapping)
+
+
 def test_choose_modes_solves_128_layers_with_swap_in_well_under_a_second():
     """A 128-layer model with every swap option: the exact program stays fast."""
-    rng = random.Random(0)
     kept = {"off": 560_128, "pointwise": 329_728, "selective": 215_040, "selective-even": 182_272, "full": 32_768}
     layer = LayerEstimate(
         index=0, fqn="layers.0", kept_bytes=kept, recompute_flops={m: 0 for m in ESTIMATE_MODES},
         forward_peak_bytes={m: 640_000 for m in ESTIMATE_MODES}, backward_peak_bytes={m: 730_000 for m in kept},
         seconds={"off": 1e-3, "pointwise": 1.3e-3, "selective": 1.4e-3, "selective-even": 1.5e-3, "full": 1.6e-3},
-        offload_storages={"off": tuple(rng.choice([8192, 32_768]) for _ in range(17)), "selective": (32_768,),
-                          "full": (32_768,)},
+        offload_storages={"off": (512, 512, 2048, 16384, 16384, *[32_768] * 8, *[65_536] * 4),  # a tiny Llama's
+                          "selective": (32_768,), "full": (32_768,)},
     )
     layers = tuple(dataclasses.replace(layer, index=i, fqn=f"layers.{i}") for i in range(128))
     estimate = Estimate(layers, outside_bytes=170_000, base_flops=1, outside_peak_bytes=(50_000,) + (0,) * 128,
@@ -299,6 +324,12 @@ def test_choose_modes_solves_128_layers_with_swap_in_well_under_a_second():
         timings.append(time.perf_counter() - start)
         assert estimate.peak_bytes(chosen) <= fraction * off and "swap" in chosen
     assert min(timings) < 0.75, timings
+    # A host budget for half of those swaps: within it, and most of it used despite the coarse host grid.
+    host_budget = estimate.host_bytes(chosen) // 2
+    bounded = choose_by_peak_and_time(estimate, int(0.6 * off), ESTIMATE_MODES + SWAP_OPTIONS,
+                                      host_budget_bytes=host_budget)
+    assert 0.9 * host_budget <= estimate.host_bytes(bounded) <= host_budget
+    assert estimate.peak_bytes(bounded) <= 0.6 * off
 
 
 def test_choose_modes_rounds_conservatively_when_the_grid_is_coarse():
