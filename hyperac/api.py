@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
@@ -217,7 +218,7 @@ def apply(
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
-            chosen_backend, _host_budget(config))
+            chosen_backend, _host_budget(config), config.min_swap_bytes)
     else:
         modes = assign_modes(found, config)
     _check_wrapped(found, modes)
@@ -319,7 +320,7 @@ def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
 
 
 def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: Any = None,
-             device: str | None = None) -> Estimate:
+             device: str | None = None, min_swap_bytes: int = _UNSET) -> Estimate:
     """Profile one step of ``model`` per mode and report, per layer and mode, the activation bytes
     kept for backward, the step's peak, the seconds and the FLOPs replayed. The model is left as it
     was (gradients, buffers, RNG state).
@@ -330,17 +331,21 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
         backend, layers: as for :func:`apply` (``layers`` names containers, not modes).
         device: for a model on ``meta``, the device profile whose roofline gives the seconds
             (``"h100"``, ``"h200"``, ``"a100"``, ``"910b"``, ``"cpu"``; see ``hyperac.planner.DEVICES``).
+        min_swap_bytes: as for :func:`apply`: the swap costs count only storages of at least this
+            many bytes (default ``Config``'s, 1 MiB).
 
     Returns:
         An :class:`hyperac.planner.Estimate`; ``print()`` it for a table.
     """
-    config = Config(mode="full", backend=backend, layers=layers, sample=sample)
+    config = resolve_config(None, dict(mode="full", backend=backend, layers=layers, sample=sample,
+                                       min_swap_bytes=min_swap_bytes))
     if config.layer_spec.rules:
         raise ConfigError("estimate() takes container paths in layers=, not per-layer modes.")
     named_modules = _check_model(model)
     chosen = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    return estimate_layers(model, sample, found, _uniform_runner(chosen, None), chosen, device)
+    return dataclasses.replace(estimate_layers(model, sample, found, _uniform_runner(chosen, None), chosen, device),
+                               min_swap_bytes=config.min_swap_bytes)
 
 
 def applied_plan(model: nn.Module) -> Plan | None:

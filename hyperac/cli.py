@@ -7,7 +7,9 @@ step time, whether loss and gradients match the model without hyperac, and auto'
 
 ``hyperac plan`` estimates a model from a local HF config file or a preset geometry on the
 ``meta`` device (nothing is allocated), costs its steps on a device profile (``--device``), and
-prints the fastest plan whose predicted peak fits a budget.
+prints the fastest plan whose predicted peak fits a budget. On an accelerator profile the plan may
+swap layers to host memory over the profile's host link, within ``--host-budget`` of pinned host
+memory (``--no-swap``: recompute only); ``cpu`` has nothing to swap.
 
 Every bad input exits with status 2 and one line ``hyperac: error: ...`` on stderr that names
 the argument and what it allows; missing optional packages are found before any work starts.
@@ -31,8 +33,10 @@ from . import api
 from .budget import parse_budget
 from .errors import HyperACError
 from .measure import flop_counter, step_peak
-from .planner import DEVICES, choose_modes
+from .planner import DEVICES, ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
+from .planner.cost import split_option
 from .presets import PRESETS
+from .swap import default_host_budget
 
 MODES = ("off", "full", "selective", "auto")
 DEMO_BUDGET = 0.5
@@ -227,8 +231,40 @@ def _build_on_meta(config: Any, dtype: torch.dtype, source: str) -> torch.nn.Mod
         raise HyperACError(f"{source}: transformers cannot build this model: {_one_line(error)}") from None
 
 
+def _host_budget_bytes(args: argparse.Namespace) -> int | None:
+    """The pinned host bytes a plan may swap into; ``None`` where the plan does not swap."""
+    swaps = args.device in DEVICES and not args.no_swap
+    if args.host_budget is not None and not swaps:
+        why = "--no-swap is given" if args.no_swap else f"--device {args.device} has no host link to swap over"
+        raise HyperACError(f"--host-budget: the plan does not swap ({why}); leave out --host-budget, or plan for one "
+                           f"of {', '.join(DEVICES)} without --no-swap.")
+    if not swaps:
+        return None
+    return args.host_budget if args.host_budget is not None else default_host_budget()
+
+
+def _print_plan(estimate: Any, chosen: list[str], host_budget: int | None, why_not: str) -> None:
+    """The plan per layer (mode, and what it swaps: bytes and copy time not hidden by compute), and
+    the swap totals."""
+    print(f"{'#':>4}  {'layer':<28}  {'mode':<14}  swap to host")
+    for position, (layer, option) in enumerate(zip(estimate.layers, chosen)):
+        mode, swaps = split_option(option)
+        moved = (f"{estimate.offload_bytes(position, option) / 2**20:.2f} MiB, "
+                 f"{estimate.exposed_copy_seconds(position, option) * 1e3:.3f} ms exposed") if swaps else "-"
+        print(f"{layer.index:>4}  {layer.fqn:<28}  {'swap' if option == 'swap' else mode:<14}  {moved}")
+    if host_budget is None:
+        print(f"swap: not offered ({why_not})")
+        return
+    swapping = [p for p, option in enumerate(chosen) if split_option(option)[1]]
+    print(f"swap: {len(swapping)} layers move {sum(estimate.offload_bytes(p, chosen[p]) for p in swapping) / 2**30:.2f}"
+          f" GiB to host at {estimate.link_bandwidth / 1e9:.0f} GB/s, "
+          f"{sum(estimate.exposed_copy_seconds(p, chosen[p]) for p in swapping) * 1e3:.3f} ms of copies exposed; "
+          f"pinned host {estimate.host_bytes(chosen) / 2**30:.2f} GiB of a {host_budget / 2**30:.2f} GiB host budget")
+
+
 def plan(args: argparse.Namespace) -> int:
     """Estimate a model geometry on the meta device and print the plan that fits the budget."""
+    host_budget = _host_budget_bytes(args)
     config = _load_config(args)
     dtype = getattr(torch, args.dtype)
     source = "--preset" if args.preset is not None else "--config"
@@ -240,11 +276,11 @@ def plan(args: argparse.Namespace) -> int:
     count = len(estimate.layers)
     off = estimate.peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)
-    modes = choose_modes(estimate, budget_bytes)
+    options = ESTIMATE_MODES if host_budget is None else ESTIMATE_MODES + SWAP_OPTIONS
+    modes = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
     print(estimate)
     print(f"\nplan for a budget of {budget_bytes / 2**30:.2f} GiB:")
-    for layer, mode in zip(estimate.layers, modes):
-        print(f"{layer.index:>4}  {layer.fqn:<28}  {mode}")
+    _print_plan(estimate, modes, host_budget, "--no-swap" if args.no_swap else "the cpu profile has no host link")
     print(f"predicted: peak {estimate.peak_bytes(modes) / 2**30:.2f} GiB (no recompute: {off / 2**30:.2f} GiB), "
           f"{estimate.total_bytes(modes) / 2**30:.2f} GiB kept for backward, step "
           f"{estimate.step_seconds(modes) * 1e3:.1f} ms on {args.device} (no recompute: "
@@ -260,6 +296,18 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _size(text: str) -> int:
+    """``--host-budget``: bytes or a size like ``64GiB``, read as ``--budget`` reads sizes."""
+    try:
+        value = parse_budget(text)
+    except HyperACError:
+        value = -1
+    if value < 0:  # a fraction: of nothing here
+        raise argparse.ArgumentTypeError(f"must be a positive byte count or a size like '64GiB' or '512MB', "
+                                         f"got {text!r}")
     return value
 
 
@@ -311,12 +359,17 @@ def _parser() -> argparse.ArgumentParser:
                                   "no-recompute peak (as budget= in the API)")
     plan_parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     plan_parser.add_argument("--device", default="h100", choices=(*DEVICES, "cpu"),
-                             help="device profile that costs the step (data-sheet peaks; cpu: measured here)")
+                             help="device profile that costs the step (data-sheet peaks; cpu: measured here); on the "
+                             "accelerators the plan may swap layers to host memory over the profile's host link")
+    plan_parser.add_argument("--host-budget", type=_size, metavar="SIZE",
+                             help="pinned host memory the plan's swaps may hold, e.g. 64GiB (default: what apply "
+                                  "would use on this machine, half its physical memory divided by LOCAL_WORLD_SIZE)")
+    plan_parser.add_argument("--no-swap", action="store_true", help="plan recompute only, no swap to host memory")
     plan_parser.set_defaults(run=plan)
     return parser
 
 
-_VALUE_OPTIONS = ("--budget", "--seq", "--batch", "--steps", "--layers", "--hidden")
+_VALUE_OPTIONS = ("--budget", "--host-budget", "--seq", "--batch", "--steps", "--layers", "--hidden")
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:

@@ -74,7 +74,8 @@ from ._compat import storage_use_count
 from .backends import Backend
 from .errors import ConfigError, warn_once
 
-__all__ = ["LayerSwap", "SwapManager", "SwapStats", "current_group", "default_host_budget", "live_group_count"]
+__all__ = ["LayerSwap", "SwapManager", "SwapStats", "current_group", "default_host_budget", "host_buffer_bytes",
+           "live_group_count", "swap_ineligible"]
 
 _LIVE_GROUPS: weakref.WeakSet = weakref.WeakSet()
 
@@ -135,10 +136,32 @@ def default_host_budget() -> int:
     return physical // 2 // local
 
 
+def host_buffer_bytes(nbytes: int) -> int:
+    """The host bytes a storage of ``nbytes`` takes in the pool: a buffer rounded up to a power of two."""
+    return 1 << max(nbytes - 1, 1).bit_length()
+
+
+def swap_ineligible(tensor: torch.Tensor, device_type: str) -> str | None:
+    """Why ``tensor`` must stay on a ``device_type`` device whatever its size (a reason of
+    :attr:`SwapStats.skipped`), or ``None`` if swap can move it."""
+    if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
+        return "subclass"
+    if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or (
+        tensor.is_leaf and tensor.requires_grad
+    ):
+        return "parameter"
+    if tensor.device.type != device_type:
+        return "not_on_device"
+    if (tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_conj()
+            or tensor.is_neg()):
+        return "layout"
+    return None
+
+
 class HostPool:
     """Reusable host buffers (pinned where the backend supports it) under a byte budget.
 
-    A copy (deepcopy, pickle) is a fresh, empty pool with the same budget.
+    A copy (deepcopy, pickle) is a fresh, empty pool with the same budget and a copy of the backend.
 
     NOTE [Pool lock and garbage collection]
     A host buffer returns to the pool when its entry dies (``_Entry.__del__``), and the garbage
@@ -156,15 +179,11 @@ class HostPool:
         self._lock = threading.RLock()
 
     def __reduce__(self) -> tuple:
-        return _fresh_pool, (type(self.backend), self.budget_bytes)
-
-    @staticmethod
-    def _bucket(nbytes: int) -> int:
-        return 1 << max(nbytes - 1, 1).bit_length()
+        return HostPool, (self.backend, self.budget_bytes)
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A host byte buffer of at least ``nbytes``, or ``None`` when the budget is spent."""
-        size = self._bucket(nbytes)
+        size = host_buffer_bytes(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:
@@ -185,10 +204,6 @@ class HostPool:
             self._closed = True
             self._free.clear()
             self.allocated_bytes = 0
-
-
-def _fresh_pool(backend_type: type[Backend], budget_bytes: int) -> HostPool:
-    return HostPool(backend_type(), budget_bytes)
 
 
 def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -514,7 +529,8 @@ class SwapManager:
 
     Holds no reference to the model or its layers; :meth:`release` frees the host buffers (called
     by ``hyperac.remove`` and when the model's applied state is dropped). A copy (deepcopy, pickle)
-    is a fresh manager with the same settings: its own pool, statistics and stream.
+    is a fresh manager with the same settings (the backend's too, e.g. ``sim``'s link bandwidth): its
+    own pool, statistics and stream.
     """
 
     def __init__(self, backend: Backend, min_swap_bytes: int, host_budget_bytes: int) -> None:
@@ -528,7 +544,7 @@ class SwapManager:
         self._pending: weakref.ref | None = None
 
     def __reduce__(self) -> tuple:
-        return _fresh_manager, (type(self.backend), self.min_swap_bytes, self.pool.budget_bytes)
+        return SwapManager, (self.backend, self.min_swap_bytes, self.pool.budget_bytes)
 
     @property
     def copy_stream(self) -> Any:
@@ -544,20 +560,10 @@ class SwapManager:
 
     def ineligible(self, tensor: torch.Tensor) -> str | None:
         """Why ``tensor`` must stay on the device, or ``None`` if it can be swapped."""
-        if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
-            return "subclass"
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or (
-            tensor.is_leaf and tensor.requires_grad
-        ):
-            return "parameter"
-        if tensor.device.type != self.backend.device_type:
-            return "not_on_device"
-        if (tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_conj()
-                or tensor.is_neg()):
-            return "layout"
-        if tensor.untyped_storage().nbytes() < self.min_swap_bytes:
+        reason = swap_ineligible(tensor, self.backend.device_type)
+        if reason is None and tensor.untyped_storage().nbytes() < self.min_swap_bytes:
             return "small"
-        return None
+        return reason
 
     def run_layer(
         self, offload: bool, call: Callable[[], Any], inputs: tuple[tuple, dict], saved_tensors: bool = True
@@ -598,6 +604,3 @@ class SwapManager:
         """Free the host buffers; in-flight groups return theirs when autograd drops them."""
         self.pool.clear()
 
-
-def _fresh_manager(backend_type: type[Backend], min_swap_bytes: int, host_budget_bytes: int) -> SwapManager:
-    return SwapManager(backend_type(), min_swap_bytes, host_budget_bytes)

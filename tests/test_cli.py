@@ -7,7 +7,9 @@ once), and a few of them also as processes, for the exit status and stderr of th
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import pathlib
@@ -26,7 +28,11 @@ TINY_LLAMA = dict(
     model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
 )
-PLAN_ROW = r"^\s*{index}\s+model\.layers\.{index}\s+(off|pointwise|selective|selective-even|full)\s*$"
+WIDE_LLAMA = {**TINY_LLAMA, "num_hidden_layers": 3, "hidden_size": 256, "intermediate_size": 512,
+              "max_position_embeddings": 2048}
+"""At seq 2048 in bfloat16 a layer input is 1 MiB, the default ``min_swap_bytes``: swap has something to move."""
+PLAN_ROW = (r"^\s*{index}\s+model\.layers\.{index}\s+(off|pointwise|selective|selective-even|full|swap)\s+"
+            r"(-|([\d.]+) MiB, ([\d.]+) ms exposed)\s*$")
 
 
 def installed_script():
@@ -144,6 +150,25 @@ def check_plan_output(stdout, layers):
     return [float(value) for value in predicted.groups()]
 
 
+def plan_rows(stdout, layers):
+    """Per layer: (mode, MiB swapped to host or None, ms of copy time exposed or None)."""
+    rows = []
+    for index in range(layers):
+        found = re.search(PLAN_ROW.format(index=index), stdout, re.M)
+        swapped = found.group(3) is not None
+        rows.append((found.group(1), float(found.group(3)) if swapped else None,
+                     float(found.group(4)) if swapped else None))
+    return rows
+
+
+def swap_line(stdout):
+    """``(layers, GiB moved, ms exposed, GiB pinned, GiB host budget)`` from the swap summary line."""
+    found = re.search(r"^swap: (\d+) layers move ([\d.]+) GiB to host at \d+ GB/s, ([\d.]+) ms of copies exposed; "
+                      r"pinned host ([\d.]+) GiB of a ([\d.]+) GiB host budget$", stdout, re.M)
+    assert found, stdout
+    return int(found.group(1)), *(float(value) for value in found.groups()[1:])
+
+
 def test_plan_preset(runs):
     code, stdout, stderr = runs["preset"]
     assert code == 0, stderr
@@ -151,6 +176,58 @@ def test_plan_preset(runs):
     kept, off, _, _ = check_plan_output(stdout, 32)
     budget = float(re.search(r"plan for a budget of ([\d.]+) GiB", stdout).group(1))
     assert kept <= budget + 0.01 and budget == pytest.approx(0.5 * off, abs=0.01)
+
+
+def test_plan_preset_swaps_on_an_accelerator(runs):
+    """On h100 (the default profile) a 4 MiB layer input and a 64 GB/s host link make swap the
+    cheaper way to fit: rows say what each swapping layer moves and the copy time not hidden."""
+    code, stdout, _ = runs["preset"]
+    assert code == 0
+    rows = plan_rows(stdout, 32)
+    swapped = [(mib, ms) for _, mib, ms in rows if mib is not None]
+    assert swapped and all(mib > 0 and ms >= 0 for mib, ms in swapped), stdout
+    assert rows[-1][1] is None  # the last layer's backward comes first: it never offloads
+    layers, moved, exposed, pinned, host_budget = swap_line(stdout)
+    assert layers == len(swapped) and moved == pytest.approx(sum(mib for mib, _ in swapped) / 1024, abs=0.01)
+    assert exposed == pytest.approx(sum(ms for _, ms in swapped), abs=0.01 * layers)
+    assert moved <= pinned <= host_budget
+
+
+@pytest.fixture(scope="module")
+def wide_plans(files):
+    """``hyperac plan`` on a wide 3-layer Llama at budget 0.7 on h100, by default, with --no-swap,
+    with --device cpu and with a small --host-budget, as ``{name: (code, stdout, stderr)}``."""
+    (files / "wide.json").write_text(json.dumps(WIDE_LLAMA))
+    base = ["plan", "--config", str(files / "wide.json"), "--seq", "2048", "--budget", "0.7"]
+    variants = {"h100": [], "no_swap": ["--no-swap"], "cpu": ["--device", "cpu"], "host": ["--host-budget", "8MiB"]}
+    results = {}
+    for name, extra in variants.items():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main([*base, *extra])
+        results[name] = (code, out.getvalue(), err.getvalue())
+    return results
+
+
+def test_plan_swap_is_offered_on_accelerators_only(wide_plans):
+    code, stdout, stderr = wide_plans["h100"]
+    assert code == 0, stderr
+    rows = plan_rows(stdout, 3)
+    assert any(mib for _, mib, _ in rows), stdout
+    assert swap_line(stdout)[0] >= 1
+    for name, why in (("no_swap", "--no-swap"), ("cpu", "the cpu profile has no host link")):
+        code, stdout, stderr = wide_plans[name]
+        assert code == 0, stderr
+        assert all(mib is None and mode != "swap" for mode, mib, _ in plan_rows(stdout, 3)), stdout
+        assert f"swap: not offered ({why})" in stdout
+
+
+def test_plan_host_budget_bounds_the_pinned_bytes(wide_plans):
+    unbounded = swap_line(wide_plans["h100"][1])
+    code, stdout, stderr = wide_plans["host"]
+    assert code == 0, stderr
+    _, _, _, pinned, host_budget = swap_line(stdout)
+    assert host_budget == pytest.approx(8 / 1024, abs=0.005) and pinned <= host_budget < unbounded[3]
 
 
 def table_total(stdout, mode):
@@ -256,6 +333,17 @@ def bad_files(files):
         (["plan", "--preset", "llama-3-8b", "--budget", "2.0"], r"argument --budget: Config\.budget must be .*'2\.0'"),
         (["plan", "--preset", "llama-3-8b", "--budget", "-1GiB"], r"argument --budget: .*'-1GiB'"),
         (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--device", "tpu"], r"argument --device: invalid"),
+        (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--host-budget", "lots"],
+         r"argument --host-budget: must be a positive byte count or a size like '64GiB' .*got 'lots'"),
+        (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--host-budget", "0.5"],
+         r"argument --host-budget: .*'0\.5'"),
+        (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--host-budget", "0"], r"argument --host-budget: .*'0'"),
+        (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--host-budget", "-1GiB"],
+         r"argument --host-budget: .*'-1GiB'"),
+        (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--device", "cpu", "--host-budget", "1GiB"],
+         r"--host-budget: the plan does not swap \(--device cpu has no host link"),
+        (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--no-swap", "--host-budget", "1GiB"],
+         r"--host-budget: the plan does not swap \(--no-swap is given\)"),
         (["demo", "--steps", "0"], r"argument --steps: must be a whole number >= 1, got '0'"),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,

@@ -9,10 +9,14 @@ trips of plans, and estimating a large geometry on the ``meta`` device without a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
+import math
+import random
 import re
 import resource
+import time
 import warnings
 
 import pytest
@@ -33,7 +37,7 @@ import hyperac
 from hyperac import ConfigError, HyperACWarning
 from hyperac._hf import TrainingCacheDefault
 from hyperac.measure import PeakMeter, measure_step
-from hyperac.planner import ESTIMATE_MODES, Estimate, LayerEstimate, parse_budget
+from hyperac.planner import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, LayerEstimate, parse_budget, solver
 from hyperac.planner import choose_modes as choose_by_peak_and_time
 
 
@@ -113,7 +117,6 @@ def synthetic(layers, outside=50):
                             "selective-even": kept[2] * 9 // 10, "full": kept[3]},
                 recompute_flops={"off": 0, "pointwise": 0, "selective": flops[0],
                                  "selective-even": flops[0] * 6 // 5, "full": flops[1]},
-                swap_bytes=kept[0],
             )
             for i, (kept, flops) in enumerate(layers)
         ),
@@ -202,6 +205,131 @@ def test_choose_modes_matches_brute_force_over_all_plans(which, request):
         assert estimate.total_recompute_flops(modes) == best, (budget, modes)
         checked += 1
     assert checked >= 40  # 5^3 plans: many distinct totals
+
+
+def random_swap_estimate(seed, layers):
+    """A random small Estimate with everything swap costs: storages to offload per mode (some under
+    ``min_swap_bytes``, some larger than what the layer keeps), residuals, seconds, a host link
+    slow enough that copies are exposed, and peaks outside the layers. Byte counts are multiples
+    of 64, so that the solver's grid is exact (each test passes a fine ``grid``)."""
+    rng = random.Random(seed)
+
+    def size(low, high):
+        return 64 * rng.randint(low, high)
+
+    def storages(count):
+        return tuple(size(1, 16) for _ in range(rng.randint(0, count)))
+
+    estimates = []
+    for i in range(layers):
+        kept = dict(zip(ESTIMATE_MODES, sorted((size(0, 40) for _ in ESTIMATE_MODES), reverse=True)))
+        estimates.append(LayerEstimate(
+            index=i, fqn=f"layers.{i}", kept_bytes=kept, recompute_flops={m: 0 for m in ESTIMATE_MODES},
+            forward_peak_bytes={m: size(0, 30) for m in ESTIMATE_MODES},
+            backward_peak_bytes={m: size(0, 30) for m in ESTIMATE_MODES},
+            seconds=dict(zip(ESTIMATE_MODES, sorted(rng.uniform(1.0, 3.0) for _ in ESTIMATE_MODES))),
+            offload_storages={"off": storages(3), "selective": storages(2), "full": storages(2)},
+        ))
+    return Estimate(tuple(estimates), outside_bytes=size(0, 4), base_flops=1,
+                    outside_peak_bytes=tuple(size(0, 20) for _ in range(layers + 1)),
+                    link_bandwidth=rng.choice([math.inf, 400.0, 2000.0]), min_swap_bytes=rng.choice([0, 512]))
+
+
+def all_plans(estimate):
+    """Every plan the solver may choose: swap options that move something, none on the last layer."""
+    count = len(estimate.layers)
+    per_layer = [[o for o in (*ESTIMATE_MODES, *SWAP_OPTIONS)
+                  if o in ESTIMATE_MODES or (p < count - 1 and estimate.offload_bytes(p, o) > 0)] for p in range(count)]
+    return list(itertools.product(*per_layer))
+
+
+@pytest.mark.parametrize("layers", [3, 4, 5])
+def test_choose_modes_with_swap_matches_brute_force(layers):
+    """With swap options, the in-flight bytes of the last swapping layer and a host budget, the
+    solver's plan fits (by Estimate.peak_bytes and host_bytes) and is as fast as the fastest plan
+    that fits, over every plan, for random estimates and budgets."""
+    seeds = {3: range(40), 4: range(12), 5: range(2)}[layers]
+    checked = swapping = 0
+    for seed in seeds:
+        estimate = random_swap_estimate(seed, layers)
+        rng = random.Random(seed)
+        plans = [(estimate.peak_bytes(p), estimate.host_bytes(p), estimate.step_seconds(p), p)
+                 for p in all_plans(estimate)]
+        peaks = sorted({peak for peak, *_ in plans})
+        hosts = sorted({host for _, host, *_ in plans if host})
+        for budget in rng.sample(peaks, min(len(peaks), 8)) + [peaks[0] - 1]:
+            for host_budget in (None, *rng.sample(hosts, min(len(hosts), 2))):
+                fitting = [seconds for peak, host, seconds, _ in plans
+                           if peak <= budget and (host_budget is None or host <= host_budget)]
+                if not fitting:
+                    with pytest.raises(ConfigError, match="below the smallest plan"):
+                        choose_by_peak_and_time(estimate, budget, ESTIMATE_MODES + SWAP_OPTIONS, grid=1 << 20,
+                                                host_budget_bytes=host_budget)
+                    continue
+                chosen = choose_by_peak_and_time(estimate, budget, ESTIMATE_MODES + SWAP_OPTIONS, grid=1 << 20,
+                                                 host_budget_bytes=host_budget)
+                assert tuple(chosen) in {p for *_, p in plans}, chosen
+                assert estimate.peak_bytes(chosen) <= budget, (seed, budget, chosen)
+                assert host_budget is None or estimate.host_bytes(chosen) <= host_budget, (seed, host_budget, chosen)
+                assert estimate.step_seconds(chosen) == pytest.approx(min(fitting), rel=1e-12), (seed, budget, chosen)
+                checked += 1
+                swapping += any("swap" in option for option in chosen)
+    assert checked >= 40 and swapping >= 10, (checked, swapping)
+
+
+def test_choose_modes_with_swap_rounds_up_within_both_budgets(monkeypatch):
+    """Past its exact grids (more in-flight values than MAX_IN_FLIGHT, coarse byte and host grids)
+    the solver rounds up: its plan may be slower than the best, but never over either budget."""
+    monkeypatch.setattr(solver, "MAX_IN_FLIGHT", 3)
+    monkeypatch.setattr(solver, "HOST_GRID", 4)
+    checked = swapping = 0
+    for seed in range(20):
+        estimate = random_swap_estimate(seed, 4)
+        plans = [(estimate.peak_bytes(p), estimate.host_bytes(p)) for p in all_plans(estimate)]
+        rng = random.Random(seed)
+        hosts = sorted({host for _, host in plans if host})
+        for budget in rng.sample(sorted({peak for peak, _ in plans}), 5):
+            for host_budget in (None, *rng.sample(hosts, min(len(hosts), 2))):
+                try:
+                    chosen = choose_by_peak_and_time(estimate, budget, ESTIMATE_MODES + SWAP_OPTIONS, grid=64,
+                                                     host_budget_bytes=host_budget)
+                except ConfigError:  # rounded up, only a plan below full recompute's peak fitted
+                    assert estimate.peak_bytes(["full"] * 4) > budget
+                    continue
+                assert estimate.peak_bytes(chosen) <= budget, (seed, budget, chosen)
+                assert host_budget is None or estimate.host_bytes(chosen) <= host_budget, (seed, host_budget, chosen)
+                checked += 1
+                swapping += any("swap" in option for option in chosen)
+    assert checked >= 100 and swapping >= 20, (checked, swapping)
+
+
+def test_choose_modes_solves_128_layers_with_swap_in_well_under_a_second():
+    """A 128-layer model with every swap option: the exact program stays fast."""
+    kept = {"off": 560_128, "pointwise": 329_728, "selective": 215_040, "selective-even": 182_272, "full": 32_768}
+    layer = LayerEstimate(
+        index=0, fqn="layers.0", kept_bytes=kept, recompute_flops={m: 0 for m in ESTIMATE_MODES},
+        forward_peak_bytes={m: 640_000 for m in ESTIMATE_MODES}, backward_peak_bytes={m: 730_000 for m in kept},
+        seconds={"off": 1e-3, "pointwise": 1.3e-3, "selective": 1.4e-3, "selective-even": 1.5e-3, "full": 1.6e-3},
+        offload_storages={"off": (512, 512, 2048, 16384, 16384, *[32_768] * 8, *[65_536] * 4),  # a tiny Llama's
+                          "selective": (32_768,), "full": (32_768,)},
+    )
+    layers = tuple(dataclasses.replace(layer, index=i, fqn=f"layers.{i}") for i in range(128))
+    estimate = Estimate(layers, outside_bytes=170_000, base_flops=1, outside_peak_bytes=(50_000,) + (0,) * 128,
+                        link_bandwidth=64e9)
+    off = estimate.peak_bytes(["off"] * 128)
+    timings = []
+    for fraction in (0.3, 0.6):
+        start = time.perf_counter()
+        chosen = choose_by_peak_and_time(estimate, int(fraction * off), ESTIMATE_MODES + SWAP_OPTIONS)
+        timings.append(time.perf_counter() - start)
+        assert estimate.peak_bytes(chosen) <= fraction * off and "swap" in chosen
+    assert min(timings) < 0.75, timings
+    # A host budget for half of those swaps: within it, and most of it used despite the coarse host grid.
+    host_budget = estimate.host_bytes(chosen) // 2
+    bounded = choose_by_peak_and_time(estimate, int(0.6 * off), ESTIMATE_MODES + SWAP_OPTIONS,
+                                      host_budget_bytes=host_budget)
+    assert 0.9 * host_budget <= estimate.host_bytes(bounded) <= host_budget
+    assert estimate.peak_bytes(bounded) <= 0.6 * off
 
 
 def test_choose_modes_rounds_conservatively_when_the_grid_is_coarse():
@@ -303,7 +431,10 @@ def test_estimate_matches_measurement_in_every_mode(measured):
         recompute = flops - off_flops
         assert estimate.total_recompute_flops(modes) == pytest.approx(recompute, rel=0.05, abs=1), (name, mode)
     for layer in estimate.layers:
-        assert layer.swap_bytes == layer.kept_bytes["off"] > 0
+        # A swap moves what the layer saves: its input when it recomputes, about all it keeps without.
+        offloaded = {mode: sum(sizes) for mode, sizes in layer.offload_storages.items()}
+        assert offloaded["full"] == offloaded["selective"] == layer.kept_bytes["full"] > 0
+        assert layer.kept_bytes["off"] - layer.kept_bytes["full"] <= offloaded["off"] <= layer.kept_bytes["off"]
         assert layer.recompute_flops["off"] == 0
         assert 0 < layer.recompute_flops["selective"] < layer.recompute_flops["full"]
     assert json.loads(json.dumps(estimate.to_dict()))["outside_bytes"] == estimate.outside_bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import pickle
 
 import pytest
 from hyperac_testing import assert_parity, kv_cache_disabled, lm_loss, measure, tiny_llama, train_step
@@ -18,6 +19,7 @@ import hyperac
 from hyperac.backends.sim import SimBackend
 from hyperac.measure import PeakMeter
 from hyperac.planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
+from hyperac.state import STATE_KEY
 
 SECONDS_PER_OP = 50e-6
 FAST_LINK = 1e12  # bytes/s: copies take nanoseconds
@@ -41,7 +43,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def fast_estimate(model, loss_fn):
-    return hyperac.estimate(model, loss_fn, backend=SimBackend(FAST_LINK, SECONDS_PER_OP))
+    return hyperac.estimate(model, loss_fn, backend=SimBackend(FAST_LINK, SECONDS_PER_OP), min_swap_bytes=0)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def test_auto_swaps_on_a_fast_link_and_the_device_saving_is_as_predicted(model, 
     backend.synchronize()
     clone.zero_grad(set_to_none=True)
     # What left the device, by the swap machinery's own count and by the bytes alive at backward start.
-    assert stats.offloaded_bytes == pytest.approx(plan.predicted_swap_bytes, rel=0.02)
+    assert stats.offloaded_bytes == plan.predicted_swap_bytes  # storage by storage (NOTE [What a swap would move])
     assert stats.skipped["budget"] == 0
     assert kept == pytest.approx(plan.predicted_bytes, rel=0.02)
     unswapped = [layer.mode if layer.mode != "swap" else "off" for layer in plan.layers]
@@ -132,8 +134,59 @@ def test_measured_peak_of_the_swap_plan_is_as_predicted(loss_fn, fast_plan):
         loss_fn(clone).backward()
     backend.synchronize()
     clone.zero_grad(set_to_none=True)
-    assert meter.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.01)
+    assert meter.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=1e-3)
     assert meter.peak_bytes <= plan.budget_bytes
+
+
+def test_auto_does_not_count_on_swapping_storages_under_min_swap_bytes(model, loss_fn, fast_estimate):
+    """Every storage of this model is under the default ``min_swap_bytes`` (1 MiB; a layer's input
+    is 32 KiB), so ``SwapManager`` would move none of them: auto must not plan a saving from swap
+    (it chose swap, and predicted half the measured peak, when it counted every kept byte as moved)."""
+    assert dataclasses.replace(fast_estimate, min_swap_bytes=1 << 20).offload_bytes(0, "swap") == 0
+    assert 0 < max(fast_estimate.layers[0].offload_storages["off"]) < 1 << 20
+    clone = copy.deepcopy(model)
+    backend = SimBackend(FAST_LINK, SECONDS_PER_OP)
+    plan = hyperac.apply(clone, mode="auto", budget=BUDGET, sample=loss_fn, backend=backend)
+    assert not swapping(plan) and plan.count("swap") == 0 and plan.predicted_swap_bytes == 0, str(plan)
+    assert hyperac.swap_stats(clone) is None
+    with backend.computing(), PeakMeter(clone.parameters()) as meter:
+        loss_fn(clone).backward()
+    clone.zero_grad(set_to_none=True)
+    assert meter.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=1e-3)
+    assert meter.peak_bytes <= plan.budget_bytes
+
+
+def test_min_swap_bytes_leaves_the_small_storages_of_a_layer_on_the_device(model, loss_fn, fast_estimate):
+    """Between the two extremes: a threshold that keeps some of a ``swap`` layer's saved storages
+    on the device; the planner's offload bytes are what ``SwapManager`` moves, storage by storage."""
+    sizes = sorted(fast_estimate.layers[0].offload_storages["off"])
+    threshold = sizes[len(sizes) // 2]
+    estimate = dataclasses.replace(fast_estimate, min_swap_bytes=threshold)
+    assert 0 < estimate.offload_bytes(0, "swap") < fast_estimate.offload_bytes(0, "swap")
+    backend = SimBackend(FAST_LINK)
+    clone = copy.deepcopy(model)
+    hyperac.apply(clone, layers={0: "swap", 3: "swap"}, backend=backend, min_swap_bytes=threshold)
+    loss_fn(clone).backward()
+    backend.synchronize()
+    assert hyperac.swap_stats(clone).offloaded_bytes == estimate.offload_bytes(0, "swap")
+
+
+def test_a_copy_of_a_swapping_model_keeps_the_sim_backends_settings(model, loss_fn):
+    """deepcopy and pickle of an applied model rebuild its swap state on a backend with the same
+    link bandwidth and per-op compute time, so the copy's copies take time as the original's do."""
+    bandwidth = 2e6  # bytes/s: a layer input (32 KiB) takes 16 ms each way
+    original = copy.deepcopy(model)
+    hyperac.apply(original, mode="full", swap_inputs=True, min_swap_bytes=0,
+                  backend=SimBackend(bandwidth, seconds_per_op=1e-6))
+    for twin in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+        backend = twin.__dict__[STATE_KEY].swap.backend
+        assert (type(backend), backend.link_bandwidth, backend.seconds_per_op) == (SimBackend, bandwidth, 1e-6)
+        stats = hyperac.swap_stats(twin)
+        loss_fn(twin).backward()
+        backend.synchronize()
+        moved = stats.offloaded_bytes + stats.reloaded_bytes
+        assert moved > 0 and stats.wait_seconds >= 0.5 * moved / bandwidth, str(stats)
+        hyperac.remove(twin)
 
 
 def test_a_swap_plan_round_trips_through_json(model, loss_fn, fast_plan):
@@ -147,7 +200,7 @@ def test_a_swap_plan_round_trips_through_json(model, loss_fn, fast_plan):
     assert [(p.mode, p.swap) for p in replayed.layers] == [(p.mode, p.swap) for p in plan.layers]
     loss_fn(other).backward()
     backend.synchronize()
-    assert hyperac.swap_stats(other).offloaded_bytes == pytest.approx(plan.predicted_swap_bytes, rel=0.02)
+    assert hyperac.swap_stats(other).offloaded_bytes == plan.predicted_swap_bytes
 
 
 def test_a_plan_swapping_recomputed_inputs_round_trips(model, loss_fn):

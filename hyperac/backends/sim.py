@@ -181,6 +181,11 @@ class SimBackend(Backend):
         self.link_bandwidth = link_bandwidth
         self.seconds_per_op = seconds_per_op
 
+    def __reduce__(self) -> tuple:
+        """A copy (deepcopy, pickle, a copied applied model's swap state) has the same settings and
+        none of this backend's streams."""
+        return SimBackend, (self.link_bandwidth, self.seconds_per_op)
+
     def computing(self) -> contextlib.AbstractContextManager:
         """Ops take at least ``seconds_per_op`` while this is active."""
         return _Computing(self.seconds_per_op) if self.seconds_per_op else contextlib.nullcontext()

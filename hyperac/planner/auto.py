@@ -8,6 +8,7 @@ that the planner does not import the API that imports it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,10 +89,13 @@ def plan_swaps(modes: Sequence[str], offloads: Sequence[bool]) -> tuple[list[str
 
 
 def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, runner: Runner,
-               backend: Any, host_budget_bytes: int) -> tuple[list[str], list[bool], dict[str, Any]]:
+               backend: Any, host_budget_bytes: int,
+               min_swap_bytes: int = 0) -> tuple[list[str], list[bool], dict[str, Any]]:
     """The per-layer modes and swap flags ``mode="auto"`` applies, and the plan's predictions.
-    Swap is a choice where ``backend.can_swap``, within ``host_budget_bytes`` of pinned memory."""
-    estimate = estimate_layers(model, sample, layers, runner, backend)
+    Swap is a choice where ``backend.can_swap``, within ``host_budget_bytes`` of pinned memory,
+    moving the storages of at least ``min_swap_bytes`` (NOTE [Swap in the plan])."""
+    estimate = dataclasses.replace(estimate_layers(model, sample, layers, runner, backend),
+                                   min_swap_bytes=min_swap_bytes)
     off = ["off"] * len(layers)
     budget_bytes = parse_budget(budget, estimate.peak_bytes(off))
     options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES

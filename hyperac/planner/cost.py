@@ -25,6 +25,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..swap import host_buffer_bytes
 from .devices import DeviceProfile
 from .dispatch import HostCosts
 from .profile import ModeProfile
@@ -41,19 +42,21 @@ FORWARD_SHARE = 1 / 3
 about two matmuls per forward one): the compute a swap copy hides behind (NOTE [Swap in the plan])."""
 
 # NOTE [Swap in the plan]
-# A swapping layer i moves ``offload_bytes`` (its inputs, about what full recompute keeps; in
-# ``swap`` mode what ``off`` keeps) to host memory. As ``SwapManager`` does (NOTE [Swap stream
-# ordering] in swap.py), they leave the device at the end of the next swapping layer's forward and
-# are prefetched when that layer's backward starts, so they stay on the device from layer i+1
-# to that next swapping layer: the peak adds them to those layers' residuals, and removes them
-# from the kept bytes behind everything later. The model's last swapping layer keeps its tensors
-# (its backward comes first), so the last layer never offloads: when any layer swaps, the solver
-# puts the last layer in the chain (``plan_swaps``). The copy each way hides behind layer i+1: the
-# device -> host copy behind its forward, the host -> device prefetch behind its backward, both
-# taken as the ``off`` seconds of layer i+1 split by :data:`FORWARD_SHARE`; what does not hide is
-# exposed, ``max(0, bytes / link bandwidth - compute)``, and added to layer i's seconds. Host
-# memory is one pooled buffer per storage, rounded up to a power of two: ``host_bytes`` counts
-# that for one storage per layer (the layer input), twice the bytes for ``swap`` mode (many).
+# A swapping layer i moves ``offload_bytes`` to host memory: the storages its profiled forward
+# saved that a swap would free (NOTE [What a swap would move] in profile.py: its inputs when it
+# recomputes, its saved tensors in ``swap`` mode), less those under ``min_swap_bytes``, which
+# ``SwapManager`` keeps on the device. A swap option that would move nothing is never chosen. As
+# ``SwapManager`` does (NOTE [Swap stream ordering] in swap.py), they leave the device at the end
+# of the next swapping layer's forward and are prefetched when that layer's backward starts, so
+# they stay on the device from layer i+1 to that next swapping layer: the peak adds them to those
+# layers' residuals, and removes them from the kept bytes behind everything later. The model's
+# last swapping layer keeps its tensors (its backward comes first), so the last layer never
+# offloads: when any layer swaps, the solver puts the last layer in the chain (``plan_swaps``).
+# The copy each way hides behind layer i+1: the device -> host copy behind its forward, the host
+# -> device prefetch behind its backward, both taken as the ``off`` seconds of layer i+1 split by
+# :data:`FORWARD_SHARE`; what does not hide is exposed, ``max(0, bytes / link bandwidth -
+# compute)``, and added to layer i's seconds. Host memory is one pooled buffer per storage,
+# rounded up to a power of two (``host_buffer_bytes``).
 
 
 def split_option(option: str) -> tuple[str, bool]:
@@ -74,8 +77,6 @@ class LayerEstimate:
     """Activation bytes this layer keeps between forward and backward, per mode."""
     recompute_flops: dict[str, int]
     """FLOPs this layer replays in backward, per mode."""
-    swap_bytes: int
-    """Bytes a swap of this layer would move each way (what it keeps with no recompute)."""
     forward_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     """Live bytes during its forward beyond the layers before it (NOTE [Peak phases])."""
     backward_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -83,6 +84,9 @@ class LayerEstimate:
     layers before it."""
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """Forward plus backward seconds, per mode."""
+    offload_storages: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Per mode, the bytes of each storage a swap of this layer would move to host memory (NOTE
+    [What a swap would move] in profile.py), whatever their size."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,35 +107,40 @@ class Estimate:
     """Where the seconds come from: measured on a backend, or a roofline on a device profile."""
     link_bandwidth: float = math.inf
     """Host link bytes/s, one direction, for swap copies (NOTE [Swap in the plan])."""
+    min_swap_bytes: int = 0
+    """Storages smaller than this stay on the device (``Config.min_swap_bytes``)."""
+
+    def offloaded_storages(self, position: int, option: str) -> tuple[int, ...]:
+        """The bytes of each storage layer ``position`` moves to host memory under ``option``."""
+        mode, swaps = split_option(option)
+        if not swaps:
+            return ()
+        return tuple(n for n in self.layers[position].offload_storages.get(mode, ()) if n >= self.min_swap_bytes)
 
     def offload_bytes(self, position: int, option: str) -> int:
         """Device bytes that layer ``position`` moves to host memory under ``option`` (0: no swap)."""
-        mode, swaps = split_option(option)
-        layer = self.layers[position]
-        if not swaps:
-            return 0
-        return layer.swap_bytes if option == "swap" else min(layer.kept_bytes["full"], layer.kept_bytes[mode])
+        return sum(self.offloaded_storages(position, option))
 
     def kept_on_device(self, position: int, option: str) -> int:
         """Bytes layer ``position`` keeps on the device between its forward and backward."""
         return self.layers[position].kept_bytes[split_option(option)[0]] - self.offload_bytes(position, option)
 
+    def exposed_copy_seconds(self, position: int, option: str) -> float:
+        """The seconds of layer ``position``'s swap copies that its neighbour's compute does not hide."""
+        nbytes = self.offload_bytes(position, option)
+        if not nbytes or position + 1 >= len(self.layers):
+            return 0.0
+        copy = nbytes / self.link_bandwidth
+        behind = self.layers[position + 1].seconds["off"]
+        return max(0.0, copy - FORWARD_SHARE * behind) + max(0.0, copy - (1 - FORWARD_SHARE) * behind)
+
     def option_seconds(self, position: int, option: str) -> float:
         """Layer ``position``'s seconds under ``option``, exposed swap copy time included."""
-        mode, swaps = split_option(option)
-        seconds = self.layers[position].seconds[mode]
-        if swaps and position + 1 < len(self.layers):
-            copy = self.offload_bytes(position, option) / self.link_bandwidth
-            behind = self.layers[position + 1].seconds["off"]
-            seconds += max(0.0, copy - FORWARD_SHARE * behind) + max(0.0, copy - (1 - FORWARD_SHARE) * behind)
-        return seconds
+        return self.layers[position].seconds[split_option(option)[0]] + self.exposed_copy_seconds(position, option)
 
     def layer_host_bytes(self, position: int, option: str) -> int:
         """Pinned host bytes layer ``position``'s swap holds under ``option`` (NOTE [Swap in the plan])."""
-        nbytes = self.offload_bytes(position, option)
-        if not nbytes:
-            return 0
-        return 2 * nbytes if option == "swap" else 1 << (nbytes - 1).bit_length()
+        return sum(host_buffer_bytes(n) for n in self.offloaded_storages(position, option))
 
     def host_bytes(self, options: Sequence[str]) -> int:
         """Pinned host bytes the plan's swaps hold."""
@@ -152,7 +161,8 @@ class Estimate:
                        behind + in_flight + layer.forward_peak_bytes[mode],
                        behind + in_flight + layer.backward_peak_bytes[mode])
             behind += self.kept_on_device(position, option)
-            in_flight = self.offload_bytes(position, option) or in_flight
+            if split_option(option)[1]:  # the group before leaves the device as this layer's forward ends
+                in_flight = self.offload_bytes(position, option)
         return max(peak, behind + self._outside(len(self.layers)))
 
     def _outside(self, behind: int) -> int:
@@ -216,10 +226,10 @@ def build_estimate(layers: Sequence[Any], profiles: dict[str, ModeProfile], devi
             kept_bytes={m: profiles[m].kept.get(position, 0) for m in modes},
             recompute_flops={m: max(profiles[m].backward_flops.get(position, 0) - off.backward_flops.get(position, 0),
                                     0) for m in modes},
-            swap_bytes=off.kept.get(position, 0),
             forward_peak_bytes={m: profiles[m].forward_peak.get(position, 0) for m in modes},
             backward_peak_bytes={m: profiles[m].backward_peak.get(position, 0) for m in modes},
             seconds={m: _layer_seconds(position, m, profiles, device, host) for m in modes},
+            offload_storages={m: tuple(profiles[m].offloadable.get(position, ())) for m in modes},
         )
         for position, layer in enumerate(layers)
     )

@@ -17,6 +17,17 @@ outside the layers, the embeddings, logits and loss. Per layer and mode the prof
 largest forward and backward residual, and outside the layers the largest residual per count of
 layers behind; the cost model adds them to the kept bytes of the layers behind under the plan's
 own modes (``CostModel.peak_bytes``).
+
+NOTE [What a swap would move]
+A layer that swaps hands its group what autograd saves for backward while its forward runs,
+outside any recompute region of its own (``SwapManager.run_layer``): a recomputed layer's inputs,
+or every saved tensor of a layer without recompute. The profiled step records the same, through a
+saved-tensors hook around the whole step that attributes each saved storage to the running layer,
+and keeps, per layer, the sizes of the storages a swap would actually free: swappable
+(``swap_ineligible``), created during the step (not a parameter or a buffer), saved by no other
+layer nor by ops outside the layers, and not held past the step or returned to the caller (NOTE
+[Tensors that outlive the layer] in swap.py: those stay on the device). The cost model leaves out
+those below ``min_swap_bytes``, as ``SwapManager`` does.
 """
 
 from __future__ import annotations
@@ -32,9 +43,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as _quiet
 from torch.utils._pytree import tree_flatten
 
 from ..measure import StorageTimeline, created_storages, flop_counter, gradients
+from ..swap import swap_ineligible
 
 __all__ = ["ModeProfile", "profile_modes"]
 
@@ -61,6 +74,9 @@ class ModeProfile:
     input on ``meta``."""
     seconds: dict[int | None, float] = dataclasses.field(default_factory=dict)
     """Measured forward plus backward seconds by layer (real tensors only)."""
+    offloadable: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    """Per layer, the bytes of each storage a swap of the layer would move to host memory (NOTE
+    [What a swap would move])."""
 
 
 def _loss(model: nn.Module, sample: Any) -> tuple[torch.Tensor, Any]:
@@ -112,9 +128,11 @@ class _Leave:
 class _Profiler(TorchDispatchMode):
     """Attributes each op to the running layer and records the step's storage timeline."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, device_type: str) -> None:
         super().__init__()
         self.count = count
+        self.device_type = device_type
+        self.saved_by: dict[int, set[int | None]] = defaultdict(set)
         self.stack: list[int] = []
         self.backward = False
         self.finished = 0
@@ -136,6 +154,30 @@ class _Profiler(TorchDispatchMode):
             self.frontier = min(self.frontier, position)
         elif kind == "backward-end" and self.backward_layer == position:
             self.backward_layer = None
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Saved-tensors hook: note which layer saves the storage (NOTE [What a swap would move]);
+        autograd keeps a detached alias (NOTE [Saved tensors under hooks] in swap.py)."""
+        if not self.backward and swap_ineligible(tensor, self.device_type) is None:
+            key = self.timeline.id_of(tensor.untyped_storage())
+            if key is not None:
+                self.saved_by[key].add(self.stack[-1] if self.stack else None)
+        with _quiet():
+            return tensor.detach()
+
+    @staticmethod
+    def unpack(alias: torch.Tensor) -> torch.Tensor:
+        return alias
+
+    def offloadable(self, excluded: set[int]) -> dict[int, list[int]]:
+        """Per layer, the storages only it saved, still alive in no one's hands after the step."""
+        sizes: dict[int, list[int]] = defaultdict(list)
+        for key, owners in self.saved_by.items():
+            owner = next(iter(owners)) if len(owners) == 1 else None
+            _, nbytes, alive = self.timeline.births[key]
+            if owner is not None and key not in excluded and key not in self.timeline.released and alive() is None:
+                sizes[owner].append(nbytes)
+        return dict(sizes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -183,7 +225,7 @@ class _Profiler(TorchDispatchMode):
             kept=dict(kept), forward_peak=dict(forward_peak), backward_peak=dict(backward_peak),
             outside_peak=dict(outside_peak), backward_flops=dict(self.flops), total_flops=self.total_flops,
             forward_ops=dict(self.ops[False]), backward_ops=dict(self.ops[True]),
-            work=dict(self.work),
+            work=dict(self.work), offloadable=self.offloadable(excluded),
         )
 
 
@@ -240,7 +282,8 @@ class _Clock:
 
 
 def _profiled_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module]) -> ModeProfile:
-    profiler = _Profiler(len(layer_modules))
+    first = next(iter(model.parameters()), None)
+    profiler = _Profiler(len(layer_modules), "cpu" if first is None else first.device.type)
     handles = _watch(profiler, layer_modules)
     try:
         for position, layer in enumerate(layer_modules):
@@ -248,7 +291,7 @@ def _profiled_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Mod
                 handles.append(module.register_forward_pre_hook(_Enter(profiler, position)))
                 handles.append(module.register_forward_hook(_Leave(profiler, module is layer), always_call=True))
         torch.manual_seed(0)
-        with profiler:
+        with profiler, torch.autograd.graph.saved_tensors_hooks(profiler.pack, profiler.unpack):
             loss, output = _loss(model, sample)
             profiler.timeline.release(output)
             profiler.mark = profiler.timeline.now

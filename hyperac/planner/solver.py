@@ -10,11 +10,11 @@ The objective is predicted seconds; ``objective="flops"`` minimises replayed FLO
 budget, which lets the recompute transients of backward exceed it).
 
 Swap options (:data:`~hyperac.planner.cost.SWAP_OPTIONS`, in ``modes`` where the backend can
-swap) enter the program with their device bytes and seconds, exposed copy time included. Two of
-their costs are not per layer, so the program's answer is checked and, if need be, solved again:
-the bytes in flight to the next swapping layer (NOTE [Swap in the plan]) by the exact peak, with
-the budget lowered by the excess; the pinned host budget by dropping the swap option of the
-layer with the most host bytes until the plan fits.
+swap) enter the program with their device bytes and seconds, exposed copy time included; one that
+would move nothing is left out. Two of their costs are not per layer, and the program carries
+both exactly (NOTE [Swap in the solver]): the bytes still in flight from the last swapping layer
+(NOTE [Swap in the plan]), and, when the best plan without it is over the pinned host budget,
+the host bytes used so far.
 """
 
 from __future__ import annotations
@@ -36,13 +36,31 @@ def _cost(estimate: Estimate, position: int, mode: str, objective: str) -> float
     return estimate.option_seconds(position, mode)
 
 
+# NOTE [Swap in the solver]
+# A plan's peak at layer p is the kept bytes behind it, plus the bytes in flight from the last
+# swapping layer before it, plus its residual. The in-flight bytes are one of few values (0, or
+# the offload of some swap option: the layers of a model are alike, so in practice two or three),
+# so the program's state is (bytes kept behind, which in-flight value, host bytes used): a swap
+# option moves the state to its own in-flight value, any other option keeps it. Each check is
+# then the one Estimate.peak_bytes makes, and the answer is the optimum over all plans, up to the
+# byte grid. More than MAX_IN_FLIGHT distinct values are rounded up to the next kept one (a plan
+# then never exceeds the budget, but may be a little worse than the best). The host dimension is
+# added only when the best plan without it holds more pinned bytes than the host budget, on a
+# coarse grid (about HOST_GRID host units, chosen to round the layers' host bytes up least; the
+# byte grid 64 times coarser): a plan never exceeds either budget, but on a large model it may
+# leave part of the host budget unused and take about a second (128 layers, on this CPU).
+MAX_IN_FLIGHT = 16
+HOST_GRID = 128
+
+
 def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = ESTIMATE_MODES, grid: int = 1 << 16,
                  *, bound: str = "peak", objective: str = "seconds", host_budget_bytes: int | None = None) -> list[str]:
     """The per-layer modes with the smallest predicted cost whose predicted bytes fit the budget.
 
     Args:
         modes: the choices per layer: modes, and swap options where the backend can swap (the
-            model's last layer never offloads, NOTE [Swap in the plan]).
+            model's last layer never offloads, NOTE [Swap in the plan]; an option that would
+            offload nothing is never chosen).
         bound: ``"peak"``: :meth:`Estimate.peak_bytes` <= budget; ``"kept"``:
             :meth:`Estimate.total_bytes` <= budget.
         objective: ``"seconds"`` (:meth:`Estimate.step_seconds`) or ``"flops"`` (replayed FLOPs).
@@ -52,73 +70,143 @@ def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = E
         ConfigError: no plan fits (even every layer in full recompute is over the budget).
     """
     count = len(estimate.layers)
-    allowed = [[m for m in modes if not (split_option(m)[1] and position == count - 1)] for position in range(count)]
+    allowed = [[m for m in modes if not split_option(m)[1] or (position < count - 1 and estimate.offload_bytes(
+        position, m) > 0)] for position in range(count)]
     measure = estimate.peak_bytes if bound == "peak" else estimate.total_bytes
-    target = budget_bytes
-    while True:
-        chosen = _solve(estimate, budget_bytes, target, allowed, grid, bound, objective)
-        if host_budget_bytes is not None and estimate.host_bytes(chosen) > host_budget_bytes:
-            heaviest = max(range(count), key=lambda p: estimate.layer_host_bytes(p, chosen[p]))
-            allowed[heaviest] = [m for m in allowed[heaviest] if not split_option(m)[1]]
-            continue
-        excess = measure(chosen) - budget_bytes
-        if excess <= 0 or not any(split_option(m)[1] for m in chosen):
-            return chosen
-        target -= excess  # bytes in flight between swapping layers (NOTE [Swap in the plan])
-        if measure(["full"] * count) > target:
-            allowed = [[m for m in options if not split_option(m)[1]] for options in allowed]
-            target = budget_bytes
-
-
-def _solve(estimate: Estimate, budget_bytes: int, target: int, allowed: list[list[str]], grid: int, bound: str,
-           objective: str) -> list[str]:
-    """The dynamic program: the cheapest per-layer choices whose per-layer bytes fit ``target``."""
-    count = len(estimate.layers)
-    measure = estimate.peak_bytes if bound == "peak" else estimate.total_bytes
-    floor = measure(["full"] * count)
-    if floor > budget_bytes:
-        what = "peak" if bound == "peak" else "bytes kept for backward"
-        raise ConfigError(
-            f"budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MiB) is below the smallest plan: "
-            f"{floor} bytes ({floor / 2**20:.1f} MiB, {what}) with every layer in full recompute; raise the budget "
-            "or shrink the batch or sequence."
-        )
-
     if all("off" in options for options in allowed) and measure(["off"] * count) <= budget_bytes:
         return ["off"] * count  # nothing recomputed: nothing to gain
+    program = _Program(estimate, budget_bytes, allowed, bound, objective)
+    chosen = program.solve(grid)
+    if chosen is not None and host_budget_bytes is not None and estimate.host_bytes(chosen) > host_budget_bytes:
+        chosen = program.solve(max(grid // 64, 1), host_budget_bytes, max(HOST_GRID, grid // 512))
+    floor = measure(["full"] * count)
+    if chosen is not None:
+        return chosen
+    if floor <= budget_bytes:
+        return ["full"] * count  # the grid's rounding lost it
+    what = "peak" if bound == "peak" else "bytes kept for backward"
+    swaps = " (nor with any swap option)" if any(split_option(m)[1] for options in allowed for m in options) else ""
+    raise ConfigError(
+        f"budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MiB) is below the smallest plan: "
+        f"{floor} bytes ({floor / 2**20:.1f} MiB, {what}) with every layer in full recompute{swaps}; raise the "
+        "budget or shrink the batch or sequence."
+    )
 
-    def residual(position: int, option: str) -> int:
-        if bound == "kept":
-            return 0
-        layer, mode = estimate.layers[position], split_option(option)[0]
-        return max(layer.forward_peak_bytes[mode], layer.backward_peak_bytes[mode], estimate._outside(position))
 
-    final = estimate._outside(count) if bound == "peak" else estimate.outside_bytes
-    capacity = target - final  # the bytes all layers may keep together
-    weights = [{m: estimate.kept_on_device(p, m) for m in options} for p, options in enumerate(allowed)]
-    divisor = math.gcd(*(w for per_layer in weights for w in per_layer.values())) or 1
-    unit = divisor * max(1, math.ceil(max(budget_bytes, 1) / (divisor * grid)))
-    slots = max(capacity, 0) // unit + 1
-    best = torch.full((slots,), math.inf, dtype=torch.float64)
-    best[0] = 0.0
-    choices = []
-    for position, options in enumerate(allowed):
-        candidates = torch.full((len(options), slots), math.inf, dtype=torch.float64)
-        for row, option in enumerate(options):
-            weight = math.ceil(weights[position][option] / unit)
-            # Slots (rounded-up kept bytes of the layers before) at which this layer's residual fits.
-            fits = (target - residual(position, option)) // unit + 1
-            usable = min(fits, slots - weight)
-            if usable > 0:
-                candidates[row, weight:weight + usable] = best[:usable] + _cost(estimate, position, option, objective)
-        best, choice = candidates.min(dim=0)
-        choices.append(choice.to(torch.int8))
-    if math.isinf(best.min().item()):
-        return ["full"] * count
-    slot = int(best.argmin())
-    chosen: list[str] = []
-    for position, choice in zip(reversed(range(count)), reversed(choices)):
-        option = allowed[position][int(choice[slot])]
-        chosen.append(option)
-        slot -= math.ceil(weights[position][option] / unit)
-    return list(reversed(chosen))
+def _unit(values: Sequence[int], limit: int, grid: int) -> int:
+    """A grid step that divides every value where ``limit / grid`` allows, else a multiple of their divisor."""
+    divisor = math.gcd(*values) or 1
+    return divisor * max(1, math.ceil(max(limit, 1) / (divisor * grid)))
+
+
+def _host_unit(values: Sequence[int], budget: int, grid: int) -> int:
+    """The host grid step: :func:`_unit`'s where it divides every value, else, among steps that
+    cut the budget into ``grid / 2`` to ``grid`` parts, the one that wastes the smallest share of
+    the values' rounded-up sizes (summed over the distinct values)."""
+    unit = _unit(values, budget, grid)
+    distinct = {v for v in values if v}
+    if not distinct or all(v % unit == 0 for v in distinct):
+        return unit
+    steps = {math.ceil(max(budget, 1) / parts) for parts in range(max(grid // 2, 1), grid + 1)}
+    return min(steps, key=lambda step: (sum(1 - v / (math.ceil(v / step) * step) for v in distinct), step))
+
+
+class _Program:
+    """The dynamic program of NOTE [Swap in the solver] for one estimate, budget and choice set."""
+
+    def __init__(self, estimate: Estimate, budget_bytes: int, allowed: list[list[str]], bound: str,
+                 objective: str) -> None:
+        self.estimate, self.budget, self.allowed = estimate, budget_bytes, allowed
+        self.peak = bound == "peak"
+        count = len(estimate.layers)
+        self.weights = [[estimate.kept_on_device(p, m) for m in options] for p, options in enumerate(allowed)]
+        self.hosts = [[estimate.layer_host_bytes(p, m) for m in options] for p, options in enumerate(allowed)]
+        self.costs = [[_cost(estimate, p, m, objective) for m in options] for p, options in enumerate(allowed)]
+        offloads = sorted({estimate.offload_bytes(p, m) for p, options in enumerate(allowed) for m in options
+                           if split_option(m)[1]}) if self.peak else []
+        if len(offloads) > MAX_IN_FLIGHT - 1:  # keep evenly spaced ones, the largest among them
+            kept = MAX_IN_FLIGHT - 1
+            offloads = [offloads[round(i * (len(offloads) - 1) / (kept - 1))] for i in range(kept)]
+        self.in_flight = [0, *offloads]
+        self.final = estimate._outside(count) if self.peak else estimate.outside_bytes
+
+    def _state_of(self, offload: int) -> int:
+        """The in-flight state of an offload: the smallest kept value at least as large."""
+        return next(i for i, value in enumerate(self.in_flight) if value >= offload) if self.peak else 0
+
+    def _residual(self, position: int, option: str) -> int:
+        layer, mode = self.estimate.layers[position], split_option(option)[0]
+        return max(layer.forward_peak_bytes[mode], layer.backward_peak_bytes[mode])
+
+    def solve(self, grid: int, host_budget: int | None = None, host_grid: int = HOST_GRID) -> list[str] | None:
+        """The cheapest plan on a grid of about ``grid`` byte units (and ``host_grid`` host units
+        under ``host_budget``), or ``None`` if none fits."""
+        estimate, allowed, budget = self.estimate, self.allowed, self.budget
+        if budget < 0:
+            return None
+        # The cells (slots per in-flight state) stay about ``grid``: as fast with swap as without.
+        unit = _unit([abs(w) for per_layer in self.weights for w in per_layer], budget,
+                     max(grid // len(self.in_flight), 1))
+        steps = [[math.ceil(w / unit) for w in per_layer] for per_layer in self.weights]
+        offset = -sum(min(0, *per_layer) for per_layer in steps)
+        slots = offset + budget // unit + 1
+        if host_budget is None:
+            host_slots, host_steps = 1, [[0] * len(options) for options in allowed]
+        else:
+            host_unit = _host_unit([h for per_layer in self.hosts for h in per_layer], host_budget, host_grid)
+            host_slots = host_budget // host_unit + 1
+            host_steps = [[math.ceil(h / host_unit) for h in per_layer] for per_layer in self.hosts]
+        states = len(self.in_flight)
+        best = torch.full((states, host_slots, slots), math.inf, dtype=torch.float64)
+        best[0, 0, offset] = 0.0
+        backs: list[tuple[torch.Tensor, dict[int, torch.Tensor]]] = []
+        rows = torch.empty((max(map(len, allowed)), *best.shape), dtype=torch.float64)
+        for position, options in enumerate(allowed):
+            outside = estimate._outside(position) if self.peak else 0
+            candidates = rows[: len(options)].fill_(math.inf)
+            came: dict[int, torch.Tensor] = {}
+            for row, option in enumerate(options):
+                step, host_step, cost = steps[position][row], host_steps[position][row], self.costs[position][row]
+                if host_step >= host_slots:
+                    continue
+                # Per in-flight state, the last slot (kept bytes behind, rounded up) where this option fits.
+                residual = self._residual(position, option) if self.peak else 0
+                last = [slots - 1 if not self.peak else min(slots - 1, offset + (
+                    budget - max(outside, flight + residual)) // unit) for flight in self.in_flight]
+                low = max(0, -step)
+                if split_option(option)[1]:
+                    # From the cheapest state it fits in, to the in-flight state of its own offload.
+                    masked = best.clone()
+                    for state, end in enumerate(last):
+                        masked[state, :, max(end + 1, 0):] = math.inf
+                    value, source = masked.min(dim=0)
+                    state = self._state_of(estimate.offload_bytes(position, option))
+                    end = slots - max(step, 0)
+                    if low < end:
+                        target = (slice(host_step, None), slice(low + step, end + step))
+                        torch.add(value[: host_slots - host_step, low:end], cost, out=candidates[row, state][target])
+                        came[row] = torch.zeros((host_slots, slots), dtype=torch.int8)
+                        came[row][target] = source[: host_slots - host_step, low:end]
+                    continue
+                for state, end in enumerate(last):
+                    end = min(end, slots - 1 - step)
+                    if low <= end:
+                        torch.add(best[state, :, low:end + 1], cost,
+                                  out=candidates[row, state, :, low + step:end + step + 1])
+            best, choice = candidates.min(dim=0)
+            backs.append((choice.to(torch.int8), came))
+        last = min(slots - 1, offset + (budget - self.final) // unit)
+        if last < 0 or math.isinf(best[..., : last + 1].min().item()):
+            return None
+        flat = int(best[..., : last + 1].reshape(-1).argmin())
+        state, host, slot = flat // (host_slots * (last + 1)), flat // (last + 1) % host_slots, flat % (last + 1)
+        chosen: list[str] = []
+        for position in reversed(range(len(allowed))):
+            choice, came = backs[position]
+            row = int(choice[state, host, slot])
+            if row in came:
+                state = int(came[row][host, slot])
+            chosen.append(allowed[position][row])
+            slot -= steps[position][row]
+            host -= host_steps[position][row]
+        return list(reversed(chosen))
