@@ -251,14 +251,14 @@ def _print_table(points: dict[str, _Point], args: argparse.Namespace) -> None:
             print(f"{label:<{width}} {point.peak / 2**20:>9.2f} {overhead:>15.1f}% "
                   f"{statistics.median(point.times) * 1e3:>8.1f} {point.ratio:>6.2f}  "
                   f"{'yes' if point.matches else 'NO':<17}  {point.plan}".rstrip())
-    print("peak MiB: the most activation memory alive at once over forward and backward (hyperac.measure.PeakMeter; "
-          "parameters and their gradients are not counted)")
-    print("step ms: median over the rounds; x off: median of the per-round ratios to off, the column to compare "
-          "(each round runs every configuration once, in a shuffled order)")
+    print("peak MiB: the most activation memory alive at once over forward and backward\n"
+          "  (hyperac.measure.PeakMeter; parameters and their gradients are not counted)")
+    print("x off: median of the per-round ratios to off, the column to compare (each round runs one step\n"
+          "  of every configuration, in a shuffled order); step ms: median over the rounds")
     print("plan: one letter per layer: o off, p pointwise, s selective, e selective-even, F full")
     if any(not point.matches for point in points.values() if point.kind == "peer"):
-        print("peers marked NO do not replay the RNG state in their recompute (torchtitan: preserve_rng_state=False), "
-              "so the model's attention dropout draws other masks in backward")
+        print("NO for a peer: its recompute does not replay the RNG state (torchtitan: preserve_rng_state=False),\n"
+              "  so the model's attention dropout draws other masks in backward")
 
 
 def _plot(points: dict[str, _Point], args: argparse.Namespace) -> None:
@@ -418,7 +418,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hyperac", description="Activation recompute for PyTorch training.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo_parser = commands.add_parser("demo", help="compare the modes on a built-in tiny Llama")
-    demo_parser.add_argument("--rounds", type=_positive_int, default=30,
+    demo_parser.add_argument("--rounds", type=_positive_int, default=40,
                              help="timed rounds, each one training step of every configuration in a shuffled order")
     demo_parser.add_argument("--layers", type=_positive_int, default=4)
     demo_parser.add_argument("--hidden", type=_positive_int, default=128, help="a multiple of 8")

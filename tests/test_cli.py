@@ -17,6 +17,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from hyperac_testing import tiny_blocks_model
 
 from hyperac import cli
 
@@ -26,6 +28,7 @@ TINY_LLAMA = dict(
     model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
 )
+TINY_DEMO = ["--rounds", "3", "--layers", "2", "--hidden", "64", "--seq", "32"]
 PLAN_ROW = r"^\s*{index}\s+model\.layers\.{index}\s+(off|pointwise|selective|selective-even|full)\s*$"
 
 
@@ -49,8 +52,7 @@ def files(tmp_path_factory):
 def runs(files):
     """Every command below, started at once (two cores), as ``{name: (exit code, stdout, stderr)}``."""
     commands = {
-        "demo": [*MODULE, "demo", "--steps", "1", "--layers", "2", "--hidden", "64", "--seq", "32",
-                 *(["--plot", str(files / "out.png")] if HAS_MATPLOTLIB else [])],
+        "demo": [*MODULE, "demo", *TINY_DEMO],
         "preset": [*MODULE, "plan", "--preset", "llama-3-8b", "--seq", "512", "--budget", "0.5"],
         "config": [*installed_script(), "plan", "--config", str(files / "config.json"), "--seq", "64",
                    "--budget", "0.7"],
@@ -92,24 +94,33 @@ def assert_one_error_line(code, stderr, pattern, clean=True):
 # hyperac demo
 
 
+def demo_rows(stdout):
+    """``{label: (peak MiB, recompute FLOPs %, step ms, x off, loss+grads == off, plan)}`` of every table row."""
+    row = re.compile(r"^(\S.*?)\s+([\d.]+)\s+(-?[\d.]+)%\s+([\d.]+)\s+([\d.]+)\s+(yes|NO)\s*([oFspe]*)$", re.M)
+    return {found[1]: (float(found[2]), float(found[3]), float(found[4]), float(found[5]), found[6], found[7])
+            for found in row.finditer(stdout)}
+
+
 def test_demo_prints_the_comparison_table(runs):
     code, stdout, stderr = runs["demo"]
     assert code == 0, stdout + stderr
-    assert "hyperac demo: tiny Llama, 2 layers, hidden 64, batch 2 x seq 32" in stdout
+    assert ("hyperac demo: tiny Llama, 2 layers, hidden 64, batch 2 x seq 32; CPU, 1 thread, 3 interleaved rounds"
+            in stdout)
     assert "loss+grads == off" in stdout
-    rows = {}
-    for label in ("off", "full", "selective", "auto 50%"):
-        row = rf"^{re.escape(label)}\s+([\d.]+)\s+(-?[\d.]+)%\s+([\d.]+)\s+(\S+)\s*([oFspe]*)$"
-        found = re.search(row, stdout, re.M)
-        assert found, f"no row {label!r} in\n{stdout}"
-        rows[label] = (float(found.group(1)), float(found.group(2)), found.group(4))
-    assert all(matches == "yes" for _, _, matches in rows.values()), stdout
-    assert rows["off"][1] == 0.0
+    rows = demo_rows(stdout)
+    assert list(rows) == ["off", "full", "selective", "auto 50%"], stdout
+    assert all(row[4] == "yes" for row in rows.values()), stdout
+    assert rows["off"][1] == 0.0 and rows["off"][3] == 1.0  # x off: the median of per-round ratios to off
+    assert all(row[2] > 0 and row[3] > 0 for row in rows.values())
     assert rows["full"][1] > rows["selective"][1] > 0
     assert rows["off"][0] > rows["selective"][0] > rows["full"][0] > 0
     assert rows["auto 50%"][0] <= 0.515 * rows["off"][0]  # auto's measured peak fits half of off's
-    assert re.search(r"^auto 50%.*\s[oFspe]{2}$", stdout, re.M)  # and it says which plan it chose
+    assert re.fullmatch(r"[oFspe]{2}", rows["auto 50%"][5]), stdout  # and it says which plan it chose
+    assert all(row[5] == "" for label, row in rows.items() if label != "auto 50%")
+    assert "peak MiB: the most activation memory alive at once over forward and backward" in stdout
+    assert "x off: median of the per-round ratios to off" in stdout
     assert "[4/4] auto" in stderr
+    assert "timing 3 rounds of 4 configurations, interleaved" in stderr
 
 
 def test_demo_emits_no_planner_warning(runs):
@@ -119,12 +130,49 @@ def test_demo_emits_no_planner_warning(runs):
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
-def test_demo_plot(runs, files):
-    code, stdout, stderr = runs["demo"]
-    assert code == 0, stderr
-    image = files / "out.png"
+def test_demo_plot(files, capsys, monkeypatch):
+    """--plot draws every configuration it measured: hyperac's modes, auto's plans, every-n plans
+    and each peer, timed in the same rounds; the caller's thread count is restored."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *a, **k: (figures.append(figure), savefig(figure, *a, **k)))
+    image = files / "plot.png"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        code = cli.main(["demo", *TINY_DEMO, "--plot", str(image)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
     assert f"wrote {image}" in stdout
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = demo_rows(stdout)
+    budgets = (cli.DEMO_BUDGET, *cli.SWEEP_BUDGETS)
+    drawn = [*cli.PEERS, "full every 2", "full every 3", *(f"auto {budget:.0%}" for budget in budgets)]
+    assert set(rows) == {"off", "full", "selective", *drawn}, stdout
+    assert all(rows[label][4] == "yes" for label in rows if label not in cli.PEERS), stdout
+    assert rows["full every 2"][5] == "Fo" and rows["HF checkpointing"][0] == rows["full"][0]
+    [figure] = figures
+    legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert set(cli.PEERS) <= set(legend), legend
+    assert {"hyperac off", "hyperac full", "hyperac selective", "hyperac full every 2 (Fo)"} <= set(legend), legend
+    assert any(text.startswith("hyperac auto, budget 50%-90%") for text in legend), legend
+    [auto] = [line for line in figure.axes[0].get_lines() if line.get_label().startswith("hyperac auto")]
+    assert len(auto.get_xdata()) == 1 + len(cli.SWEEP_BUDGETS)
+    assert list(auto.get_xdata()) == pytest.approx([rows[f"auto {budget:.0%}"][0] for budget in budgets], abs=0.01)
+
+
+def test_demo_leaves_out_a_peer_it_cannot_apply_with_a_note():
+    """A model without HF's activation_checkpointing_enable: the HF peers are noted, not drawn."""
+    notes = []
+    points = cli._peers(tiny_blocks_model(), notes)
+    assert set(points) == {"torchtitan full", "torchtitan selective"}
+    assert [note.split(":")[0] for note in notes] == ["HF checkpointing", "HF checkpointing every 2"]
+    assert all("not drawn: TinyBlocksModel has no activation_checkpointing_enable()" in note for note in notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +274,7 @@ def test_budget_below_the_floor(files, capsys):
     "argv",
     [[], ["plan", "--preset", "llama-3-8b"], ["plan", "--budget", "0.5"],
      ["plan", "--preset", "llama-3-8b", "--config", "c.json", "--budget", "0.5"],
-     ["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--dtype", "int8"], ["demo", "--steps", "x"],
+     ["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--dtype", "int8"], ["demo", "--rounds", "x"],
      ["frobnicate"]],
     ids=" ".join,
 )
@@ -256,7 +304,7 @@ def bad_files(files):
         (["plan", "--preset", "llama-3-8b", "--budget", "2.0"], r"argument --budget: Config\.budget must be .*'2\.0'"),
         (["plan", "--preset", "llama-3-8b", "--budget", "-1GiB"], r"argument --budget: .*'-1GiB'"),
         (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--device", "tpu"], r"argument --device: invalid"),
-        (["demo", "--steps", "0"], r"argument --steps: must be a whole number >= 1, got '0'"),
+        (["demo", "--rounds", "0"], r"argument --rounds: must be a whole number >= 1, got '0'"),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,
 )
