@@ -151,7 +151,7 @@ def _demo(args: argparse.Namespace) -> int:
     sample = {"input_ids": ids, "labels": ids}
     points: dict[str, _Point] = {}
     for position, mode in enumerate(MODES, start=1):
-        print(f"[{position}/{len(MODES)}] {mode}: measuring", file=sys.stderr, flush=True)
+        print(f"[{position}/{len(MODES)}] {mode}: applying", file=sys.stderr, flush=True)
         model = copy.deepcopy(base)
         if mode == "auto":
             plan = api.apply(model, mode=mode, budget=DEMO_BUDGET, sample=sample, backend="cpu")
@@ -161,10 +161,11 @@ def _demo(args: argparse.Namespace) -> int:
             points[mode] = _Point(model, "mode")
     notes: list[str] = []
     if args.plot:
-        print("[plot] auto at other budgets, every-n plans, peers: measuring", file=sys.stderr, flush=True)
+        print("[plot] auto at other budgets, every-n plans, peers: applying", file=sys.stderr, flush=True)
         points.update(_auto_sweep(base, sample, notes))
         points.update(_every_n(base, args.layers))
         points.update(_peers(base, notes))
+    print(f"measuring parity, peak and FLOPs of {len(points)} configurations", file=sys.stderr, flush=True)
     reference = _step(base, ids)
     for point in points.values():
         _measure(point, ids, reference)
