@@ -20,7 +20,7 @@ import pytest
 import torch
 from hyperac_testing import tiny_blocks_model
 
-from hyperac import cli
+from hyperac import cli, demo
 
 MODULE = [sys.executable, "-m", "hyperac.cli"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -151,25 +151,25 @@ def test_demo_plot(files, capsys, monkeypatch):
     assert f"wrote {image}" in stdout
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = demo_rows(stdout)
-    budgets = (cli.DEMO_BUDGET, *cli.SWEEP_BUDGETS)
-    drawn = [*cli.PEERS, "full every 2", "full every 3", *(f"auto {budget:.0%}" for budget in budgets)]
+    budgets = (demo.DEMO_BUDGET, *demo.SWEEP_BUDGETS)
+    drawn = [*demo.PEERS, "full every 2", "full every 3", *(f"auto {budget:.0%}" for budget in budgets)]
     assert set(rows) == {"off", "full", "selective", *drawn}, stdout
-    assert all(rows[label][4] == "yes" for label in rows if label not in cli.PEERS), stdout
+    assert all(rows[label][4] == "yes" for label in rows if label not in demo.PEERS), stdout
     assert rows["full every 2"][5] == "Fo" and rows["HF checkpointing"][0] == rows["full"][0]
     [figure] = figures
     legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
-    assert set(cli.PEERS) <= set(legend), legend
+    assert set(demo.PEERS) <= set(legend), legend
     assert {"hyperac off", "hyperac full", "hyperac selective", "hyperac full every 2 (Fo)"} <= set(legend), legend
     assert any(text.startswith("hyperac auto, budget 50%-90%") for text in legend), legend
     [auto] = [line for line in figure.axes[0].get_lines() if line.get_label().startswith("hyperac auto")]
-    assert len(auto.get_xdata()) == 1 + len(cli.SWEEP_BUDGETS)
+    assert len(auto.get_xdata()) == 1 + len(demo.SWEEP_BUDGETS)
     assert list(auto.get_xdata()) == pytest.approx([rows[f"auto {budget:.0%}"][0] for budget in budgets], abs=0.01)
 
 
 def test_demo_leaves_out_a_peer_it_cannot_apply_with_a_note():
     """A model without HF's activation_checkpointing_enable: the HF peers are noted, not drawn."""
     notes = []
-    points = cli._peers(tiny_blocks_model(), notes)
+    points = demo._peers(tiny_blocks_model(), notes)
     assert set(points) == {"torchtitan full", "torchtitan selective"}
     assert [note.split(":")[0] for note in notes] == ["HF checkpointing", "HF checkpointing every 2"]
     assert all("not drawn: TinyBlocksModel has no activation_checkpointing_enable()" in note for note in notes)
@@ -319,6 +319,6 @@ def test_bad_inputs_exit_2_with_one_line(bad_files, capsys, argv, pattern):
 def test_demo_plot_without_matplotlib_fails_before_the_demo(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    monkeypatch.setattr(cli, "demo", lambda args: pytest.fail("the demo ran"))
+    monkeypatch.setattr(demo, "run", lambda args: pytest.fail("the demo ran"))
     code = cli.main(["demo", "--plot", "x.png"])
     assert_one_error_line(code, capsys.readouterr().err, r"^hyperac: error: argument --plot: needs matplotlib")
