@@ -5,7 +5,7 @@ per configuration, all in one process:
 
 * peers: ``none`` (no recompute), ``hf-full`` (HF ``activation_checkpointing_enable()``),
   ``hf-every2`` (``activation_checkpointing_enable(every_n_layers=2)``), ``titan-sel`` (the
-  torchtitan-style op-level selective policy of ``recompute_modes.py``);
+  torchtitan-style op-level selective policy of ``hyperac.peers``);
 * hyperac's uniform modes: ``off``, ``pointwise``, ``selective``, ``full``;
 * hyperac's planner under its kept-bytes bound and FLOPs objective
   (``choose_modes(hyperac.estimate(...), B, bound="kept", objective="flops")``, what
@@ -52,12 +52,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# The peer setups are shared with recompute_modes.py.
-from recompute_modes import apply_hf_full, apply_titan_selective, fmt_bytes, geometry, timed_step  # noqa: E402
+from recompute_modes import fmt_bytes, geometry, timed_step  # noqa: E402
 
 import hyperac  # noqa: E402
 from hyperac.errors import ConfigError  # noqa: E402
 from hyperac.measure import ActivationMeter, measure_step  # noqa: E402
+from hyperac.peers import apply_hf_checkpointing, apply_titan_selective  # noqa: E402
 from hyperac.planner import choose_modes  # noqa: E402
 
 BUDGETS = (0.25, 0.35, 0.5, 0.65, 0.75, 0.9)
@@ -241,7 +241,7 @@ def run_arch(arch: str, a: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
         return run
 
     add("none", lambda m: None)
-    add("hf-full", apply_hf_full)
+    add("hf-full", apply_hf_checkpointing)
     add("hf-every2", lambda m: m.activation_checkpointing_enable(every_n_layers=2))
     add("titan-sel", apply_titan_selective)
     every2 = [i for i, layer in enumerate(runs["hf-every2"].model.model.layers) if layer.gradient_checkpointing]

@@ -4,9 +4,9 @@ Configurations (each a deep copy of one seeded model):
 
 * ``none``          no recompute;
 * ``hf-full``       HF ``model.activation_checkpointing_enable()`` (the HF full peer);
-* ``titan-sel``     a torchtitan-style op-level selective policy written from torch's public SAC
-                    API (``create_selective_checkpoint_contexts``), each decoder layer wrapped by
-                    ``checkpoint_wrapper(..., context_fn=...)`` as torchtitan does;
+* ``titan-sel``     torchtitan's op-level selective policy (``hyperac.peers.apply_titan_selective``:
+                    torch's ``create_selective_checkpoint_contexts``, each decoder layer wrapped by
+                    ``checkpoint_wrapper(..., context_fn=...)`` as torchtitan does);
 * ``hyperac-off``, ``hyperac-full``, ``hyperac-sel``   ``hyperac.apply(model, mode=...)``.
 
 Per configuration: activation bytes (storages created in forward still alive when backward
@@ -42,100 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
 import hyperac
 from hyperac.measure import ActivationMeter, flop_counter
+from hyperac.peers import apply_hf_checkpointing, apply_titan_selective, titan_policy, titan_save_list
 
 LossFn = Callable[[nn.Module], torch.Tensor]
-
-# --------------------------------------------------------------------------------------------
-# The torchtitan-style selective policy (torchtitan/models/llama3 parallelize.py `_op_sac_save_list`
-# and torchtitan/distributed/activation_checkpoint.py `_apply_op_sac`, 2025): save the outputs
-# of every mm except every second one, of the attention kernels, of the collectives and of
-# `max`; recompute the rest. mm is counted per region invocation (a fresh counter per
-# `context_fn()` call) and separately for forward and recompute.
-
-
-def _op(packet: str, overload: str = "default") -> Any:
-    namespace, _, name = packet.partition("::")
-    try:
-        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_TITAN_SAVE_NAMES = (
-    "aten::mm",
-    "aten::_scaled_dot_product_efficient_attention",
-    "aten::_scaled_dot_product_flash_attention",
-    "aten::_scaled_dot_product_cudnn_attention",
-    "aten::_scaled_dot_product_attention_math",
-    "aten::_scaled_dot_product_fused_attention_overrideable",
-    # Not in torchtitan's list (it targets CUDA): the CPU kernel SDPA dispatches to here. Without
-    # it the peer would recompute attention on CPU, which torchtitan never does on its devices.
-    "aten::_scaled_dot_product_flash_attention_for_cpu",
-    "_c10d_functional::reduce_scatter_tensor",
-    "_c10d_functional::all_to_all_single",
-    # for low precision training torchtitan always saves the result of max (the amax scale)
-    "aten::max",
-)
-
-
-def titan_save_list() -> set:
-    ops = {_op(name) for name in _TITAN_SAVE_NAMES}
-    ops.add(getattr(torch._higher_order_ops, "flex_attention", None))
-    ops.discard(None)
-    return ops
-
-
-def titan_policy(save_list: set, meta: defaultdict) -> Callable[..., CheckpointPolicy]:
-    """torchtitan's ``_custom_policy``; ``meta`` holds the mm counters of one region invocation."""
-    mm = torch.ops.aten.mm.default
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        mode = "recompute" if ctx.is_recompute else "forward"
-        key = f"{mode}_mm_count"
-        if func == mm:
-            meta[key] += 1
-        # Saves output of all compute ops, except every second mm
-        to_save = func in save_list and not (func == mm and meta[key] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def titan_context_fn() -> Callable[[], tuple[Any, Any]]:
-    save_list = titan_save_list()
-
-    def context_fn() -> tuple[Any, Any]:
-        return create_selective_checkpoint_contexts(titan_policy(save_list, defaultdict(int)))
-
-    return context_fn
-
-
-def apply_titan_selective(model: nn.Module) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    layers = model.model.layers
-    context_fn = titan_context_fn()
-    for name, layer in layers.named_children():
-        # torchtitan: ptd_checkpoint_wrapper(module, context_fn=..., preserve_rng_state=False)
-        layers.register_module(
-            name, checkpoint_wrapper(layer, context_fn=context_fn, preserve_rng_state=False)
-        )
-
-
-def apply_hf_full(model: nn.Module) -> str:
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable()
-        return "activation_checkpointing_enable()"
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return "gradient_checkpointing_enable(use_reentrant=False)"
-
-
-# --------------------------------------------------------------------------------------------
-
 
 ARCHITECTURES = {
     # name: (config class, model class) in transformers; both keep their layers at model.model.layers
@@ -322,15 +235,9 @@ def main() -> int:
         f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, seed {args.seed}, sdpa"
     )
 
-    hf_call = ""
-
-    def hf(model: nn.Module) -> None:
-        nonlocal hf_call
-        hf_call = apply_hf_full(model)
-
     setups: dict[str, Callable[[nn.Module], Any]] = {
         "none": lambda m: None,
-        "hf-full": hf,
+        "hf-full": apply_hf_checkpointing,
         "titan-sel": apply_titan_selective,
         "hyperac-off": lambda m: hyperac.apply(m, mode="off", backend="cpu"),
         "hyperac-full": lambda m: hyperac.apply(m, mode="full", backend="cpu"),
@@ -342,7 +249,8 @@ def main() -> int:
         setup(models[name])
         models[name].train()
     print(
-        f"hf-full: model.{hf_call}; titan-sel: checkpoint_wrapper(layer, context_fn=SAC policy) per layer\n"
+        "hf-full: model.activation_checkpointing_enable(); "
+        "titan-sel: checkpoint_wrapper(layer, context_fn=SAC policy) per layer\n"
     )
 
     # Bytes, FLOPs, and parity of loss and gradients against no recompute.

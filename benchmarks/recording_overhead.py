@@ -8,7 +8,7 @@ layer's forward (hidden 64, seq 16, batch 2, 1 thread) in four ways:
 * ``bare``         no dispatch mode (the ops' own cost);
 * ``hyperac-rec``  under hyperac's recording context (``mode="selective"``);
 * ``titan-rec``    under torch's ``create_selective_checkpoint_contexts`` with the torchtitan-style
-                   policy of ``recompute_modes.py`` (the same torch SAC machinery torchtitan uses);
+                   policy of ``hyperac.peers`` (the same torch SAC machinery torchtitan uses);
 * ``hyperac-rep`` / ``titan-rep``   the replay context of a pair that just recorded the forward.
 
 Rounds are interleaved (each round runs every configuration once, in a shuffled order), and the
@@ -34,13 +34,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from recompute_modes import titan_context_fn  # noqa: E402
-
-from hyperac.backends import get_backend  # noqa: E402
-from hyperac.measure import OpCounter  # noqa: E402
-from hyperac.policy import resolve_op_sets, selective_contexts  # noqa: E402
+from hyperac.backends import get_backend
+from hyperac.measure import OpCounter
+from hyperac.peers import titan_context_fn
+from hyperac.policy import resolve_op_sets, selective_contexts
 
 
 def _layer_and_inputs() -> tuple[torch.nn.Module, tuple, dict]:

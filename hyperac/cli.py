@@ -1,9 +1,6 @@
 """The ``hyperac`` command line.
 
-``hyperac demo`` trains a built-in tiny Llama-style model (built from a config, nothing
-downloaded) for a few steps under each mode, and under ``auto`` at half the peak activation
-memory, and prints one table: measured peak activation memory, the extra FLOPs spent recomputing,
-step time, whether loss and gradients match the model without hyperac, and auto's chosen plan.
+``hyperac demo`` compares the modes on a built-in tiny Llama (:mod:`hyperac.demo`).
 
 ``hyperac plan`` estimates a model from a local HF config file or a preset geometry on the
 ``meta`` device (nothing is allocated), costs its steps on a device profile (``--device``), and
@@ -18,158 +15,21 @@ the argument and what it allows; missing optional packages are found before any 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import api
+from . import api, demo
 from .budget import parse_budget
 from .errors import HyperACError
-from .measure import flop_counter, step_peak
 from .planner import DEVICES, ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
 from .planner.cost import split_option
 from .presets import PRESETS
 from .swap import default_host_budget
-
-MODES = ("off", "full", "selective", "auto")
-DEMO_BUDGET = 0.5
-
-
-def _tiny_llama(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.hidden * 4, num_hidden_layers=args.layers,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=args.seq,
-        attention_dropout=0.1,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
-def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
-
-
-def _same(a: tuple[torch.Tensor, list[torch.Tensor]], b: tuple[torch.Tensor, list[torch.Tensor]]) -> bool:
-    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
-
-
-def _measure(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
-    """Peak activation bytes and FLOPs of a training step, each from its own step (FlopCounterMode
-    tracks modules and holds tensors of its own while it runs)."""
-    torch.manual_seed(1)
-    peak = step_peak(model, {"input_ids": ids, "labels": ids})
-    torch.manual_seed(1)
-    with flop_counter() as flops:
-        model(input_ids=ids, labels=ids).loss.backward()
-    model.zero_grad(set_to_none=True)
-    return peak, int(flops.get_total_flops())
-
-
-def _short(plan: Any) -> str:
-    letters = {"off": "o", "full": "F", "selective": "s", "selective-even": "e", "pointwise": "p", "swap": "w"}
-    return "".join(letters[layer.mode] for layer in plan.layers)
-
-
-def demo(args: argparse.Namespace) -> int:
-    """Train the tiny model under each mode and print the comparison table."""
-    base = _tiny_llama(args)
-    base.train()
-    ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    reference = _step(base, ids)
-    models, rows = {}, {}
-    for position, mode in enumerate(MODES, start=1):
-        print(f"[{position}/{len(MODES)}] {mode}: measuring", file=sys.stderr, flush=True)
-        model = copy.deepcopy(base)
-        options = dict(budget=DEMO_BUDGET, sample={"input_ids": ids, "labels": ids}) if mode == "auto" else {}
-        plan = api.apply(model, mode=mode, backend="cpu", **options)
-        matches = _same(reference, _step(model, ids))
-        label = f"auto {DEMO_BUDGET:.0%}" if mode == "auto" else mode
-        models[label] = model
-        rows[label] = [*_measure(model, ids), [], matches, _short(plan) if mode == "auto" else ""]
-    print(f"timing {args.steps} steps per mode, interleaved", file=sys.stderr, flush=True)
-    for _ in range(args.steps):
-        for label, model in models.items():
-            start = time.perf_counter()
-            _step(model, ids)
-            rows[label][2].append(time.perf_counter() - start)
-    off_flops = rows["off"][1]
-    print(f"\nhyperac demo: tiny Llama, {args.layers} layers, hidden {args.hidden}, "
-          f"batch {args.batch} x seq {args.seq}")
-    print(f"{'mode':<10} {'peak MiB':>10} {'recompute FLOPs':>16} {'step ms':>9}  loss+grads == off  plan")
-    for label, (peak, flops, times, matches, chosen) in rows.items():
-        overhead = 100.0 * (flops - off_flops) / off_flops
-        print(f"{label:<10} {peak / 2**20:>10.2f} {overhead:>15.1f}% {statistics.median(times) * 1e3:>9.1f}  "
-              f"{'yes' if matches else 'NO':<17}  {chosen}".rstrip())
-    print("(plan: one letter per layer: o off, p pointwise, s selective, e selective-even, F full)")
-    if args.plot:
-        _plot(base, ids, args.plot, {label: (row[0], statistics.median(row[2])) for label, row in rows.items()})
-    for model in models.values():
-        api.remove(model)
-    return 0 if all(row[3] for row in rows.values()) else 1
-
-
-def _median_step_ms(model: torch.nn.Module, ids: torch.Tensor, steps: int = 3) -> float:
-    """Median wall time of ``steps`` training steps, in ms, after one warm-up step."""
-    _step(model, ids)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        _step(model, ids)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def _plot(base: torch.nn.Module, ids: torch.Tensor, path: str, measured: dict[str, tuple[int, float]]) -> None:
-    """Draw measured step time against measured peak memory: the uniform modes, auto plans over a
-    sweep of budgets, and HF's own activation checkpointing."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sample = {"input_ids": ids, "labels": ids}
-    auto = []
-    for budget in (0.45, 0.55, 0.65, 0.75, 0.85):
-        model = copy.deepcopy(base)
-        try:
-            api.apply(model, mode="auto", budget=budget, sample=sample, backend="cpu")
-        except HyperACError:
-            continue
-        peak, _ = _measure(model, ids)
-        auto.append((peak / 2**20, _median_step_ms(model, ids)))
-    peers = {}
-    model = copy.deepcopy(base)
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable()
-        peak, _ = _measure(model, ids)
-        peers["HF checkpointing"] = (peak / 2**20, _median_step_ms(model, ids))
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for label, (peak, seconds) in measured.items():
-        axes.scatter(peak / 2**20, seconds * 1e3, s=60, label=f"hyperac {label}", zorder=3)
-    for label, point in peers.items():
-        axes.scatter(*point, s=60, marker="x", label=label, zorder=3)
-    if auto:
-        axes.plot(*zip(*auto), "-o", color="black", markersize=3, label="hyperac auto, budget 45-85%", zorder=2)
-    axes.set_xlabel("measured peak activation memory (MiB)")
-    axes.set_ylabel("measured step time (ms)")
-    axes.set_title("hyperac: step time against peak memory (tiny Llama, CPU)")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def _load_config(args: argparse.Namespace) -> Any:
@@ -340,14 +200,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hyperac", description="Activation recompute for PyTorch training.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo_parser = commands.add_parser("demo", help="compare the modes on a built-in tiny Llama")
-    demo_parser.add_argument("--steps", type=_positive_int, default=3, help="timed training steps per mode")
+    demo_parser.add_argument("--rounds", type=_positive_int, default=40,
+                             help="timed rounds, each one training step of every configuration in a shuffled order")
     demo_parser.add_argument("--layers", type=_positive_int, default=4)
     demo_parser.add_argument("--hidden", type=_positive_int, default=128, help="a multiple of 8")
     demo_parser.add_argument("--seq", type=_positive_int, default=128)
     demo_parser.add_argument("--batch", type=_positive_int, default=2)
     demo_parser.add_argument("--plot", metavar="FILE.png", action=_PlotAvailable,
                              help="also draw measured step time against measured peak memory (needs matplotlib)")
-    demo_parser.set_defaults(run=demo)
+    demo_parser.set_defaults(run=demo.run)
     plan_parser = commands.add_parser("plan", help="estimate a model geometry and print the plan for a budget")
     source = plan_parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", metavar="CONFIG.json", help="a local HF config.json")
@@ -369,7 +230,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-_VALUE_OPTIONS = ("--budget", "--host-budget", "--seq", "--batch", "--steps", "--layers", "--hidden")
+_VALUE_OPTIONS = ("--budget", "--host-budget", "--seq", "--batch", "--rounds", "--layers", "--hidden")
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:

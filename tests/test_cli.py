@@ -19,8 +19,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from hyperac_testing import tiny_blocks_model
 
-from hyperac import cli
+from hyperac import cli, demo
 
 MODULE = [sys.executable, "-m", "hyperac.cli"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -33,6 +35,7 @@ WIDE_LLAMA = {**TINY_LLAMA, "num_hidden_layers": 3, "hidden_size": 256, "interme
 """At seq 2048 in bfloat16 a layer input is 1 MiB, the default ``min_swap_bytes``: swap has something to move."""
 PLAN_ROW = (r"^\s*{index}\s+model\.layers\.{index}\s+(off|pointwise|selective|selective-even|full|swap)\s+"
             r"(-|([\d.]+) MiB, ([\d.]+) ms exposed)\s*$")
+TINY_DEMO = ["--rounds", "3", "--layers", "2", "--hidden", "64", "--seq", "32"]
 
 
 def installed_script():
@@ -55,8 +58,7 @@ def files(tmp_path_factory):
 def runs(files):
     """Every command below, started at once (two cores), as ``{name: (exit code, stdout, stderr)}``."""
     commands = {
-        "demo": [*MODULE, "demo", "--steps", "1", "--layers", "2", "--hidden", "64", "--seq", "32",
-                 *(["--plot", str(files / "out.png")] if HAS_MATPLOTLIB else [])],
+        "demo": [*MODULE, "demo", *TINY_DEMO],
         "preset": [*MODULE, "plan", "--preset", "llama-3-8b", "--seq", "512", "--budget", "0.5"],
         "config": [*installed_script(), "plan", "--config", str(files / "config.json"), "--seq", "64",
                    "--budget", "0.7"],
@@ -98,24 +100,33 @@ def assert_one_error_line(code, stderr, pattern, clean=True):
 # hyperac demo
 
 
+def demo_rows(stdout):
+    """``{label: (peak MiB, recompute FLOPs %, step ms, x off, loss+grads == off, plan)}`` of every table row."""
+    row = re.compile(r"^(\S.*?)\s+([\d.]+)\s+(-?[\d.]+)%\s+([\d.]+)\s+([\d.]+)\s+(yes|NO)\s*([oFspe]*)$", re.M)
+    return {found[1]: (float(found[2]), float(found[3]), float(found[4]), float(found[5]), found[6], found[7])
+            for found in row.finditer(stdout)}
+
+
 def test_demo_prints_the_comparison_table(runs):
     code, stdout, stderr = runs["demo"]
     assert code == 0, stdout + stderr
-    assert "hyperac demo: tiny Llama, 2 layers, hidden 64, batch 2 x seq 32" in stdout
+    assert ("hyperac demo: tiny Llama, 2 layers, hidden 64, batch 2 x seq 32; CPU, 1 thread, 3 interleaved rounds"
+            in stdout)
     assert "loss+grads == off" in stdout
-    rows = {}
-    for label in ("off", "full", "selective", "auto 50%"):
-        row = rf"^{re.escape(label)}\s+([\d.]+)\s+(-?[\d.]+)%\s+([\d.]+)\s+(\S+)\s*([oFspe]*)$"
-        found = re.search(row, stdout, re.M)
-        assert found, f"no row {label!r} in\n{stdout}"
-        rows[label] = (float(found.group(1)), float(found.group(2)), found.group(4))
-    assert all(matches == "yes" for _, _, matches in rows.values()), stdout
-    assert rows["off"][1] == 0.0
+    rows = demo_rows(stdout)
+    assert list(rows) == ["off", "full", "selective", "auto 50%"], stdout
+    assert all(row[4] == "yes" for row in rows.values()), stdout
+    assert rows["off"][1] == 0.0 and rows["off"][3] == 1.0  # x off: the median of per-round ratios to off
+    assert all(row[2] > 0 and row[3] > 0 for row in rows.values())
     assert rows["full"][1] > rows["selective"][1] > 0
     assert rows["off"][0] > rows["selective"][0] > rows["full"][0] > 0
     assert rows["auto 50%"][0] <= 0.515 * rows["off"][0]  # auto's measured peak fits half of off's
-    assert re.search(r"^auto 50%.*\s[oFspe]{2}$", stdout, re.M)  # and it says which plan it chose
+    assert re.fullmatch(r"[oFspe]{2}", rows["auto 50%"][5]), stdout  # and it says which plan it chose
+    assert all(row[5] == "" for label, row in rows.items() if label != "auto 50%")
+    assert "peak MiB: the most activation memory alive at once over forward and backward" in stdout
+    assert "x off: median of the per-round ratios to off" in stdout
     assert "[4/4] auto" in stderr
+    assert "timing 3 rounds of 4 configurations, interleaved" in stderr
 
 
 def test_demo_emits_no_planner_warning(runs):
@@ -125,12 +136,49 @@ def test_demo_emits_no_planner_warning(runs):
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
-def test_demo_plot(runs, files):
-    code, stdout, stderr = runs["demo"]
-    assert code == 0, stderr
-    image = files / "out.png"
+def test_demo_plot(files, capsys, monkeypatch):
+    """--plot draws every configuration it measured: hyperac's modes, auto's plans, every-n plans
+    and each peer, timed in the same rounds; the caller's thread count is restored."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *a, **k: (figures.append(figure), savefig(figure, *a, **k)))
+    image = files / "plot.png"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        code = cli.main(["demo", *TINY_DEMO, "--plot", str(image)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
     assert f"wrote {image}" in stdout
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = demo_rows(stdout)
+    budgets = (demo.DEMO_BUDGET, *demo.SWEEP_BUDGETS)
+    drawn = [*demo.PEERS, "full every 2", "full every 3", *(f"auto {budget:.0%}" for budget in budgets)]
+    assert set(rows) == {"off", "full", "selective", *drawn}, stdout
+    assert all(rows[label][4] == "yes" for label in rows if label not in demo.PEERS), stdout
+    assert rows["full every 2"][5] == "Fo" and rows["HF checkpointing"][0] == rows["full"][0]
+    [figure] = figures
+    legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert set(demo.PEERS) <= set(legend), legend
+    assert {"hyperac off", "hyperac full", "hyperac selective", "hyperac full every 2 (Fo)"} <= set(legend), legend
+    assert any(text.startswith("hyperac auto, budget 50%-90%") for text in legend), legend
+    [auto] = [line for line in figure.axes[0].get_lines() if line.get_label().startswith("hyperac auto")]
+    assert len(auto.get_xdata()) == 1 + len(demo.SWEEP_BUDGETS)
+    assert list(auto.get_xdata()) == pytest.approx([rows[f"auto {budget:.0%}"][0] for budget in budgets], abs=0.01)
+
+
+def test_demo_leaves_out_a_peer_it_cannot_apply_with_a_note():
+    """A model without HF's activation_checkpointing_enable: the HF peers are noted, not drawn."""
+    notes = []
+    points = demo._peers(tiny_blocks_model(), notes)
+    assert set(points) == {"torchtitan full", "torchtitan selective"}
+    assert [note.split(":")[0] for note in notes] == ["HF checkpointing", "HF checkpointing every 2"]
+    assert all("not drawn: TinyBlocksModel has no activation_checkpointing_enable()" in note for note in notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +351,7 @@ def test_budget_below_the_floor(files, capsys):
     "argv",
     [[], ["plan", "--preset", "llama-3-8b"], ["plan", "--budget", "0.5"],
      ["plan", "--preset", "llama-3-8b", "--config", "c.json", "--budget", "0.5"],
-     ["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--dtype", "int8"], ["demo", "--steps", "x"],
+     ["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--dtype", "int8"], ["demo", "--rounds", "x"],
      ["frobnicate"]],
     ids=" ".join,
 )
@@ -344,7 +392,7 @@ def bad_files(files):
          r"--host-budget: the plan does not swap \(--device cpu has no host link"),
         (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--no-swap", "--host-budget", "1GiB"],
          r"--host-budget: the plan does not swap \(--no-swap is given\)"),
-        (["demo", "--steps", "0"], r"argument --steps: must be a whole number >= 1, got '0'"),
+        (["demo", "--rounds", "0"], r"argument --rounds: must be a whole number >= 1, got '0'"),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,
 )
@@ -359,6 +407,6 @@ def test_bad_inputs_exit_2_with_one_line(bad_files, capsys, argv, pattern):
 def test_demo_plot_without_matplotlib_fails_before_the_demo(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    monkeypatch.setattr(cli, "demo", lambda args: pytest.fail("the demo ran"))
+    monkeypatch.setattr(demo, "run", lambda args: pytest.fail("the demo ran"))
     code = cli.main(["demo", "--plot", "x.png"])
     assert_one_error_line(code, capsys.readouterr().err, r"^hyperac: error: argument --plot: needs matplotlib")
