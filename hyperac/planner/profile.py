@@ -329,7 +329,7 @@ def profile_modes(
     run_mode: Callable[[str], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
 ) -> dict[str, ModeProfile]:
     """Profile one step per mode (``run_mode(mode)`` applies it and returns an undo callable),
-    then time ``rounds`` rounds of one step per mode (NOTE [Timing on a drifting host])."""
+    then time at least ``rounds`` rounds of one step per mode (NOTE [Timing on a drifting host])."""
     profiles = {}
     for mode in modes:
         undo = run_mode(mode)
@@ -371,6 +371,12 @@ def _pool_identical_layers(profiles: dict[str, ModeProfile], count: int) -> None
 # median ``off`` step: a plan's predicted time is on the scale of the median step, and its ratio
 # to ``off`` is the median of per-round ratios that ``benchmarks/planner_targets.py`` measures.
 # The profiled step before the rounds warms each mode up (first-call costs stay out of the rounds).
+# Small models get more rounds than asked, while they fit in ``TIMING_SECONDS`` (up to
+# ``MAX_ROUNDS_FACTOR`` times as many): where a step takes milliseconds, the extra rounds cost
+# little and make the medians steadier.
+
+TIMING_SECONDS = 2.0
+MAX_ROUNDS_FACTOR = 3
 
 
 def _timed_rounds(
@@ -380,7 +386,10 @@ def _timed_rounds(
     """Per mode, the seconds by layer (``None``: outside the layers) of NOTE [Timing on a drifting host]."""
     readings: dict[str, list[dict[int | None, float]]] = {mode: [] for mode in modes}
     order, shuffle = list(modes), random.Random(0).shuffle
-    for _ in range(rounds):
+    start = time.perf_counter()
+    for done in range(MAX_ROUNDS_FACTOR * rounds):
+        if done >= rounds and time.perf_counter() - start >= TIMING_SECONDS:
+            break
         shuffle(order)
         for mode in order:
             undo = run_mode(mode)
