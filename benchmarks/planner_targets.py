@@ -9,8 +9,8 @@ layers put back), so that every configuration runs on the same parameters at the
 * hyperac's uniform modes (``off``, ``pointwise``, ``selective``, ``selective-even``, ``full``) and
   every-n-layers full plans (n = 2, 3);
 * peers: HF ``activation_checkpointing_enable()`` and ``(every_n_layers=2)``, torchtitan-style
-  selective (``recompute_modes.apply_titan_selective``) and torchtitan-style full
-  (``checkpoint_wrapper`` per layer, no policy);
+  selective and full (``hyperac.peers``: ``checkpoint_wrapper`` per layer, with and without
+  torchtitan's save policy);
 * hyperac auto at budgets {0.25, 0.35, 0.5, 0.65, 0.75, 0.9} of the *measured* no-recompute peak
   (given to hyperac in bytes). One ``hyperac.estimate`` serves every budget: the plan is
   ``choose_modes(estimate, budget)``, exactly what ``apply(mode="auto")`` computes from its own
@@ -62,14 +62,11 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recompute_modes import apply_titan_selective  # noqa: E402
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402
-
-import hyperac  # noqa: E402
-from hyperac.errors import ConfigError  # noqa: E402
-from hyperac.measure import step_peak  # noqa: E402
-from hyperac.planner import choose_modes  # noqa: E402
+import hyperac
+from hyperac.errors import ConfigError
+from hyperac.measure import step_peak
+from hyperac.peers import apply_titan_full, apply_titan_selective
+from hyperac.planner import choose_modes
 
 BUDGETS = (0.25, 0.35, 0.5, 0.65, 0.75, 0.9)
 GEOMETRIES = {
@@ -94,16 +91,13 @@ def build(geometry: dict[str, int]) -> nn.Module:
 
 
 def titan(selective: bool) -> Callable[[nn.Module], Callable[[], None]]:
-    """torchtitan-style full or selective recompute on each decoder layer; returns the undo."""
+    """torchtitan-style full or selective recompute on each decoder layer (``hyperac.peers``);
+    returns the undo."""
 
     def setup(model: nn.Module) -> Callable[[], None]:
         layers = model.model.layers
         originals = dict(layers.named_children())
-        if selective:
-            apply_titan_selective(model)
-        else:
-            for name, layer in originals.items():
-                layers.register_module(name, checkpoint_wrapper(layer, preserve_rng_state=False))
+        (apply_titan_selective if selective else apply_titan_full)(model)
         return lambda: [layers.register_module(name, layer) for name, layer in originals.items()]
 
     return setup
