@@ -200,8 +200,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hyperac", description="Activation recompute for PyTorch training.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo_parser = commands.add_parser("demo", help="compare the modes on a built-in tiny Llama")
-    demo_parser.add_argument("--rounds", type=_positive_int, default=40,
-                             help="timed rounds, each one training step of every configuration in a shuffled order")
+    demo_parser.add_argument("--rounds", type=_positive_int, default=20,
+                             help="timed rounds, each one timed training step (after an untimed one) of every "
+                                  "configuration in a shuffled order")
     demo_parser.add_argument("--layers", type=_positive_int, default=4)
     demo_parser.add_argument("--hidden", type=_positive_int, default=128, help="a multiple of 8")
     demo_parser.add_argument("--seq", type=_positive_int, default=128)
