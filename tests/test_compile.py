@@ -108,15 +108,22 @@ def test_compiled_layers_keep_parity_and_recompute(base_model, loss_fn, referenc
     assert flops == eager_flops(copy.deepcopy(base_model), loss_fn, options), "compiled and eager recompute differ"
 
 
-def test_whole_model_compiled_after_apply(base_model, loss_fn, reference):
+def compiled_step_keeps_parity(base_model, loss_fn, reference, **options):
+    """Apply to a copy, compile the whole model (aot_eager), train one step: parity with the
+    un-applied model. Returns the compiled model."""
     model = copy.deepcopy(base_model)
-    hyperac.apply(model, mode="selective", compile=True)
+    hyperac.apply(model, **options)
     compiled = torch.compile(model, backend="aot_eager")
     model.train()
     torch.manual_seed(1)
     loss = loss_fn(compiled)
     loss.backward()
     assert_parity(reference, (loss.detach(), {n: p.grad for n, p in model.named_parameters()}), exact=False)
+    return compiled
+
+
+def test_whole_model_compiled_after_apply(base_model, loss_fn, reference):
+    compiled = compiled_step_keeps_parity(base_model, loss_fn, reference, mode="selective", compile=True)
     with pytest.raises(hyperac.UnsupportedModelError, match="already compiled"):
         hyperac.apply(compiled, mode="selective", compile=True)
 
@@ -132,14 +139,7 @@ def test_eager_layers_inside_a_compiled_model(base_model, loss_fn, reference, mo
     original = policy._ReplayMode.__torch_dispatch__
     monkeypatch.setattr(policy._ReplayMode, "__torch_dispatch__",
                         lambda self, *args, **kwargs: replayed.append(1) or original(self, *args, **kwargs))
-    model = copy.deepcopy(base_model)
-    hyperac.apply(model, mode=mode)
-    compiled = torch.compile(model, backend="aot_eager")
-    model.train()
-    torch.manual_seed(1)
-    loss = loss_fn(compiled)
-    loss.backward()
-    assert_parity(reference, (loss.detach(), {n: p.grad for n, p in model.named_parameters()}), exact=False)
+    compiled_step_keeps_parity(base_model, loss_fn, reference, mode=mode)
     assert bool(replayed) == (mode != "full")
 
 
