@@ -350,14 +350,11 @@ def _pool_identical_layers(profiles: dict[str, ModeProfile], count: int) -> None
     """Give layers that do the same work the mean of their seconds, per mode (NOTE [Timing on a
     drifting host]): the same work in every mode (op counts, FLOPs, kept bytes) costs the same time,
     and the mean over the group is the steadier reading. Layers that differ (a MoE layer between
-    dense ones, sliding-window attention next to global) keep their own, and so does the last layer:
-    its backward starts right after its forward, with its inputs still in cache, so its recompute
-    is measurably cheaper (demo geometry, 25 rounds: 4.7 ms against 5.2-5.9 ms for the others)."""
+    dense ones, sliding-window attention next to global) keep their own."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for position in range(count):
-        work = tuple((p.forward_ops.get(position), p.backward_ops.get(position), p.backward_flops.get(position),
-                      p.kept.get(position)) for p in profiles.values())
-        groups[(position == count - 1, work)].append(position)
+        groups[tuple((p.forward_ops.get(position), p.backward_ops.get(position), p.backward_flops.get(position),
+                      p.kept.get(position)) for p in profiles.values())].append(position)
     for positions in groups.values():
         for profile in profiles.values():
             mean = statistics.fmean(profile.seconds[p] for p in positions)
