@@ -268,6 +268,14 @@ class Config:
 
     def _check_swap_needs(self) -> None:
         modes = {self.mode} | {rule.mode for rules in self.layer_spec.rules.values() for rule in rules}
+        forced = [field for field in ("swap_inputs", "swap_selective_outputs") if getattr(self, field)]
+        if self.mode == "auto" and forced:
+            raise ConfigError(
+                f"Config.{forced[0]}=True does not combine with mode='auto': the planner chooses which layers swap "
+                "(and costs them, against budget= and host_budget_bytes=), and a swap it did not choose would make "
+                "its predicted peak and host bytes wrong. Drop the flag, or apply a fixed plan with it: "
+                "hyperac.apply(model, plan=<the auto plan>, ...)."
+            )
         if self.mode == "auto" or self.plan is not None:
             return
         if self.swap_inputs and not modes & set(RECOMPUTE_MODES):

@@ -287,7 +287,11 @@ class _EagerMode(TorchDispatchMode):
 
     def __enter__(self):
         self.paused_hook = pause_frame_compilation()
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            resume_frame_compilation(self.paused_hook)
+            raise
 
     def __exit__(self, exc_type, exc_value, traceback):
         try:

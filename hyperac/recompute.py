@@ -312,7 +312,9 @@ class SwappedForward(Override):
         module, call = self.module_and_forward()
         if not _training(module):
             return call(*args, **kwargs)
-        return self.swap.manager.run_layer(self.swap.offload, functools.partial(call, *args, **kwargs), (args, kwargs))
+        layer = functools.partial(call, *args, **kwargs)
+        run = functools.partial(self.swap.manager.run_layer, self.swap.offload, layer, (args, kwargs))
+        return _eager_region(run) if torch.compiler.is_compiling() else run()
 
 
 class ExcludedForward(Override):
@@ -357,8 +359,9 @@ def install_exclusion(module: nn.Module, owner: AppliedState, fqn: str) -> None:
 
 # NOTE [Eager regions under torch.compile]
 # A layer applied with ``compile=False`` whose model the user then compiles: its region's
-# context (hyperac's recording and replay modes, swap hooks) is Python that torch.compile cannot
-# trace into a graph, and ``torch.utils.checkpoint`` under dynamo accepts only traceable contexts.
+# context (hyperac's recording and replay modes, swap hooks; a ``swap`` mode layer's saved-tensor
+# hooks alike) is Python that torch.compile cannot trace into a graph, and
+# ``torch.utils.checkpoint`` under dynamo accepts only traceable contexts.
 # So the region runs outside the graph, eagerly (a graph break before and after the layer), as
 # everything the compiler cannot trace does; the rest of the model is compiled. Full recompute
 # without swap or buffers has no context and is traced, as are ``compile=True`` layers (see

@@ -143,6 +143,18 @@ def test_eager_layers_inside_a_compiled_model(base_model, loss_fn, reference, mo
     assert bool(replayed) == (mode != "full")
 
 
+def test_swap_mode_inside_a_compiled_model(base_model, loss_fn, reference):
+    """``mode="swap"`` (saved tensors in host memory, no recompute) and then the whole model
+    compiled: the layers run eagerly between graphs (NOTE [Eager regions under torch.compile])
+    instead of recursing through dynamo's resumes of the swap manager, and every saved tensor the
+    swap sees still goes to host memory."""
+    from hyperac.backends.sim import SimBackend
+
+    compiled = compiled_step_keeps_parity(base_model, loss_fn, reference, mode="swap", backend=SimBackend(),
+                                          min_swap_bytes=0)
+    assert hyperac.swap_stats(compiled._orig_mod).offloaded_bytes > 0
+
+
 def test_layers_compiled_before_apply(base_model, loss_fn, reference):
     """``layer.compile()`` only marks the layer; tracing waits for the first call, so apply may come after."""
     model = copy.deepcopy(base_model)

@@ -17,8 +17,10 @@ from hyperac_testing import assert_parity, kv_cache_disabled, lm_loss, measure, 
 
 import hyperac
 from hyperac.backends.sim import SimBackend
+from hyperac.errors import ConfigError
 from hyperac.measure import PeakMeter
 from hyperac.planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
+from hyperac.planner.cost import split_option
 from hyperac.state import STATE_KEY
 
 SECONDS_PER_OP = 50e-6
@@ -123,6 +125,18 @@ def test_host_budget_bounds_the_plans_pinned_bytes(model, loss_fn, fast_estimate
         backend.synchronize()
         assert stats.skipped["budget"] == 0, str(plan)
 
+
+
+def test_a_budget_only_swap_meets_names_the_host_budget_when_that_is_what_blocks(fast_estimate):
+    """Below the all-full floor only swapping fits: with too little pinned host memory the error
+    says so, and names the host budget to raise (not the device budget alone)."""
+    options = ESTIMATE_MODES + SWAP_OPTIONS
+    budget = fast_estimate.peak_bytes(["full"] * 4) - 1
+    swapping = choose_modes(fast_estimate, budget, options)
+    assert any(split_option(option)[1] for option in swapping)
+    with pytest.raises(ConfigError, match=r"fits only with layers swapped to host memory: the plan needs \d+ bytes .* "
+                                          r"over the host budget of 0 bytes .*raise host_budget_bytes="):
+        choose_modes(fast_estimate, budget, options, host_budget_bytes=0)
 
 
 def test_measured_peak_of_the_swap_plan_is_as_predicted(loss_fn, fast_plan):

@@ -76,14 +76,23 @@ def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = E
     if all("off" in options for options in allowed) and measure(["off"] * count) <= budget_bytes:
         return ["off"] * count  # nothing recomputed: nothing to gain
     program = _Program(estimate, budget_bytes, allowed, bound, objective)
-    chosen = program.solve(grid)
-    if chosen is not None and host_budget_bytes is not None and estimate.host_bytes(chosen) > host_budget_bytes:
+    unbounded = program.solve(grid)
+    chosen = unbounded
+    if unbounded is not None and host_budget_bytes is not None and estimate.host_bytes(unbounded) > host_budget_bytes:
         chosen = program.solve(max(grid // 64, 1), host_budget_bytes, max(HOST_GRID, grid // 512))
     floor = measure(["full"] * count)
     if chosen is not None:
         return chosen
     if floor <= budget_bytes:
         return ["full"] * count  # the grid's rounding lost it
+    if unbounded is not None:
+        needed = estimate.host_bytes(unbounded)
+        raise ConfigError(
+            f"budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MiB) fits only with layers swapped to host "
+            f"memory: the plan needs {needed} bytes ({needed / 2**20:.1f} MiB) of pinned host memory, over the host "
+            f"budget of {host_budget_bytes} bytes ({host_budget_bytes / 2**20:.1f} MiB); raise host_budget_bytes= "
+            "(hyperac plan: --host-budget) or the device budget."
+        )
     what = "peak" if bound == "peak" else "bytes kept for backward"
     swaps = " (nor with any swap option)" if any(split_option(m)[1] for options in allowed for m in options) else ""
     raise ConfigError(
