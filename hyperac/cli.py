@@ -94,10 +94,11 @@ def _build_on_meta(config: Any, dtype: torch.dtype, source: str) -> torch.nn.Mod
 def _host_budget_bytes(args: argparse.Namespace) -> int | None:
     """The pinned host bytes a plan may swap into; ``None`` where the plan does not swap."""
     swaps = args.device in DEVICES and not args.no_swap
-    if args.host_budget is not None and not swaps:
-        why = "--no-swap is given" if args.no_swap else f"--device {args.device} has no host link to swap over"
-        raise HyperACError(f"--host-budget: the plan does not swap ({why}); leave out --host-budget, or plan for one "
-                           f"of {', '.join(DEVICES)} without --no-swap.")
+    for option, value in (("--host-budget", args.host_budget), ("--min-swap-bytes", args.min_swap_bytes)):
+        if value is not None and not swaps:
+            why = "--no-swap is given" if args.no_swap else f"--device {args.device} has no host link to swap over"
+            raise HyperACError(f"{option}: the plan does not swap ({why}); leave out {option}, or plan for one of "
+                               f"{', '.join(DEVICES)} without --no-swap.")
     if not swaps:
         return None
     return args.host_budget if args.host_budget is not None else default_host_budget()
@@ -132,7 +133,9 @@ def plan(args: argparse.Namespace) -> int:
     print(f"estimating {config.model_type}, {config.num_hidden_layers} layers, batch {args.batch} x seq {args.seq}, "
           f"{args.dtype}, on the meta device, costed on {args.device}...", file=sys.stderr, flush=True)
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
-    estimate = api.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device=args.device)
+    swap_options = {} if args.min_swap_bytes is None else {"min_swap_bytes": args.min_swap_bytes}
+    estimate = api.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device=args.device,
+                            **swap_options)
     count = len(estimate.layers)
     off = estimate.peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)
@@ -169,6 +172,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive byte count or a size like '64GiB' or '512MB', "
                                          f"got {text!r}")
     return value
+
+
+def _byte_count(text: str) -> int:
+    """``--min-swap-bytes``: a byte count (0 allowed) or a size like ``256KiB``."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return _size(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a byte count >= 0 or a size like '256KiB', got {text!r}") from None
 
 
 def _budget(text: str) -> str:
@@ -226,12 +239,16 @@ def _parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--host-budget", type=_size, metavar="SIZE",
                              help="pinned host memory the plan's swaps may hold, e.g. 64GiB (default: what apply "
                                   "would use on this machine, half its physical memory divided by LOCAL_WORLD_SIZE)")
+    plan_parser.add_argument("--min-swap-bytes", type=_byte_count, metavar="SIZE",
+                             help="storages smaller than this stay on the device, as min_swap_bytes= in the API "
+                                  "(default 1MiB; 0 lets every saved tensor go)")
     plan_parser.add_argument("--no-swap", action="store_true", help="plan recompute only, no swap to host memory")
     plan_parser.set_defaults(run=plan)
     return parser
 
 
-_VALUE_OPTIONS = ("--budget", "--host-budget", "--seq", "--batch", "--rounds", "--layers", "--hidden")
+_VALUE_OPTIONS = ("--budget", "--host-budget", "--min-swap-bytes", "--seq", "--batch", "--rounds", "--layers",
+                  "--hidden")
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:

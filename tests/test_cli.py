@@ -247,7 +247,8 @@ def wide_plans(files):
     with --device cpu and with a small --host-budget, as ``{name: (code, stdout, stderr)}``."""
     (files / "wide.json").write_text(json.dumps(WIDE_LLAMA))
     base = ["plan", "--config", str(files / "wide.json"), "--seq", "2048", "--budget", "0.7"]
-    variants = {"h100": [], "no_swap": ["--no-swap"], "cpu": ["--device", "cpu"], "host": ["--host-budget", "8MiB"]}
+    variants = {"h100": [], "no_swap": ["--no-swap"], "cpu": ["--device", "cpu"], "host": ["--host-budget", "8MiB"],
+                "small_min": ["--min-swap-bytes", "0"], "big_min": ["--min-swap-bytes", "1GiB"]}
     results = {}
     for name, extra in variants.items():
         out, err = io.StringIO(), io.StringIO()
@@ -276,6 +277,20 @@ def test_plan_host_budget_bounds_the_pinned_bytes(wide_plans):
     assert code == 0, stderr
     _, _, _, pinned, host_budget = swap_line(stdout)
     assert host_budget == pytest.approx(8 / 1024, abs=0.005) and pinned <= host_budget < unbounded[3]
+
+
+def test_plan_min_swap_bytes_sets_what_a_swap_may_move(wide_plans):
+    """--min-swap-bytes reads as min_swap_bytes= does: at 1 GiB no storage of this model qualifies
+    and nothing swaps; at 0 every saved tensor may go, so a layer's swap moves at least as much as
+    under the 1 MiB default."""
+    code, stdout, stderr = wide_plans["big_min"]
+    assert code == 0, stderr
+    assert all(mib is None for _, mib, _ in plan_rows(stdout, 3)) and swap_line(stdout)[0] == 0, stdout
+    code, stdout, stderr = wide_plans["small_min"]
+    assert code == 0, stderr
+    assert swap_line(stdout)[0] >= 1
+    most = max(mib or 0 for _, mib, _ in plan_rows(stdout, 3))
+    assert most >= max(mib or 0 for _, mib, _ in plan_rows(wide_plans["h100"][1], 3))
 
 
 def table_total(stdout, mode):
@@ -392,6 +407,10 @@ def bad_files(files):
          r"--host-budget: the plan does not swap \(--device cpu has no host link"),
         (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--no-swap", "--host-budget", "1GiB"],
          r"--host-budget: the plan does not swap \(--no-swap is given\)"),
+        (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--min-swap-bytes", "-1"],
+         r"argument --min-swap-bytes: must be a byte count >= 0 or a size like '256KiB', got '-1'"),
+        (["plan", "--preset", "llama-3-8b", "--budget", "0.5", "--no-swap", "--min-swap-bytes", "0"],
+         r"--min-swap-bytes: the plan does not swap \(--no-swap is given\)"),
         (["demo", "--rounds", "0"], r"argument --rounds: must be a whole number >= 1, got '0'"),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,
