@@ -58,13 +58,13 @@ import hyperac  # noqa: E402
 from hyperac.errors import ConfigError  # noqa: E402
 from hyperac.measure import ActivationMeter, measure_step  # noqa: E402
 from hyperac.peers import apply_hf_checkpointing, apply_titan_selective  # noqa: E402
+from hyperac.plan import mode_letters  # noqa: E402
 from hyperac.planner import choose_modes  # noqa: E402
 
 BUDGETS = (0.25, 0.35, 0.5, 0.65, 0.75, 0.9)
 FIT_SLACK = 0.02
 PEERS = ("none", "hf-full", "hf-every2", "titan-sel")
 HYPERAC_MODES = ("off", "pointwise", "selective", "full")
-MODE_LETTER = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F"}
 
 
 def moe_kwargs_qwen2(a: argparse.Namespace) -> dict[str, Any]:
@@ -208,7 +208,7 @@ def parity(run: Run, ref: Run) -> tuple[bool, float]:
 
 
 def plan_code(modes: tuple[str, ...] | None) -> str:
-    return "".join(MODE_LETTER[m] for m in modes) if modes else "-"
+    return mode_letters(modes) if modes else "-"
 
 
 # --------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ import hyperac
 from hyperac.errors import ConfigError
 from hyperac.measure import step_peak
 from hyperac.peers import apply_titan_full, apply_titan_selective
+from hyperac.plan import mode_letters
 from hyperac.planner import choose_modes
 
 BUDGETS = (0.25, 0.35, 0.5, 0.65, 0.75, 0.9)
@@ -74,7 +75,6 @@ GEOMETRIES = {
     "large": dict(hidden=512, layers=4, seq=1024, batch=1, rounds=4),
 }
 UNIFORM = ("off", "pointwise", "selective", "selective-even", "full")
-LETTERS = {"off": "o", "full": "F", "selective": "s", "selective-even": "e", "pointwise": "p"}
 
 
 def build(geometry: dict[str, int]) -> nn.Module:
@@ -114,10 +114,6 @@ def peak(model: nn.Module, ids: torch.Tensor) -> int:
     return step_peak(model, {"input_ids": ids, "labels": ids})
 
 
-def letters(modes: Any) -> str:
-    return "".join(LETTERS[m] for m in modes)
-
-
 Setup = Callable[[nn.Module], Callable[[], Any]]
 """Configures the shared model and returns the undo."""
 
@@ -145,7 +141,7 @@ def configurations(count: int) -> dict[str, Setup]:
     configs["hyperac off (control)"] = hyperac_setup(mode="off")
     for n in (2, 3):
         plan = {i: ("full" if i % n == 0 else "off") for i in range(count)}
-        configs[f"hyperac full every {n} ({letters(plan.values())})"] = hyperac_setup(layers=plan)
+        configs[f"hyperac full every {n} ({mode_letters(plan.values())})"] = hyperac_setup(layers=plan)
     configs["hf full"] = hf_setup()
     configs["hf every 2"] = hf_setup(every_n_layers=2)
     configs["titan selective"] = titan(selective=True)
@@ -183,8 +179,8 @@ def run_geometry(name: str, geometry: dict[str, int], rounds: int) -> tuple[list
     auto_label: dict[tuple[str, ...], str] = {}
     for modes in {tuple(m) for m in plans.values() if m is not None}:
         same = [label for label in configs if label.startswith("hyperac") and "(control)" not in label and (
-            label.endswith(f"({letters(modes)})") or (len(set(modes)) == 1 and label == f"hyperac {modes[0]}"))]
-        auto_label[modes] = same[0] if same else f"auto {letters(modes)}"
+            label.endswith(f"({mode_letters(modes)})") or (len(set(modes)) == 1 and label == f"hyperac {modes[0]}"))]
+        auto_label[modes] = same[0] if same else f"auto {mode_letters(modes)}"
         if not same:
             configs[auto_label[modes]] = hyperac_setup(layers=dict(enumerate(modes)))
     peaks = {label: configured(base, setup, lambda m: peak(m, ids)) for label, setup in configs.items()}
@@ -235,7 +231,7 @@ def run_geometry(name: str, geometry: dict[str, int], rounds: int) -> tuple[list
         ok &= all(checks.values())
         its = "" if fastest is None else f"{to_off[fastest]:.2f}"
         lines.append(
-            f"| {budget} | {letters(modes)} | {peaks[label] / off_peak:.3f} | "
+            f"| {budget} | {mode_letters(modes)} | {peaks[label] / off_peak:.3f} | "
             f"{to_off[label]:.2f} | {fastest} | {its} | {'PASS' if checks['time'] else 'FAIL'} "
             f"{ratio:.2f}x | {'PASS' if checks['peak'] else 'FAIL'} | "
             f"{'PASS' if checks['pred-peak'] else 'FAIL'} {estimate.peak_bytes(modes) / peaks[label]:.3f} | "

@@ -26,6 +26,7 @@ import torch
 from . import api, peers
 from .errors import HyperACError
 from .measure import flop_counter, step_peak
+from .plan import mode_letters
 
 __all__ = ["run"]
 
@@ -42,7 +43,6 @@ PEERS = {
     "torchtitan selective": peers.apply_titan_selective,
 }
 """``--plot``: the peers drawn next to hyperac (:mod:`hyperac.peers`)."""
-_LETTERS = {"off": "o", "full": "F", "selective": "s", "selective-even": "e", "pointwise": "p", "swap": "w"}
 
 # NOTE [Demo timing]
 # On a shared CPU the machine's speed drifts by 1.4-1.7x from one step to the next (thread CPU
@@ -66,7 +66,7 @@ class _Point:
     kind: str
     """``mode`` (a row of the table), ``auto``, ``every-n`` or ``peer``."""
     plan: str = ""
-    """One letter per layer (:data:`_LETTERS`), for hyperac's plans other than uniform modes."""
+    """One letter per layer (:data:`hyperac.plan.MODE_LETTERS`), for hyperac's plans other than uniform modes."""
     budget: float | None = None
     matches: bool = False
     peak: int = 0
@@ -123,7 +123,7 @@ def _measure(point: _Point, ids: torch.Tensor, reference: tuple[torch.Tensor, li
 
 
 def _short(plan: Any) -> str:
-    return "".join(_LETTERS[layer.mode] for layer in plan.layers)
+    return mode_letters([layer.mode for layer in plan.layers])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,7 +10,15 @@ from .config import Config, LayerRule
 from .discovery import Layer
 from .errors import ConfigError
 
-__all__ = ["LayerPlan", "Plan", "assign_modes", "reversible_note"]
+__all__ = ["MODE_LETTERS", "LayerPlan", "Plan", "assign_modes", "mode_letters", "reversible_note"]
+
+MODE_LETTERS = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F", "swap": "w"}
+"""One letter per mode, for writing a plan in a line: ``FFoo`` is full recompute on layers 0-1."""
+
+
+def mode_letters(modes: Sequence[str]) -> str:
+    """A plan's per-layer modes as one letter each (:data:`MODE_LETTERS`)."""
+    return "".join(MODE_LETTERS[mode] for mode in modes)
 
 _PREDICTIONS = ("predicted_bytes", "predicted_peak_bytes", "predicted_step_seconds", "predicted_recompute_flops",
                 "predicted_swap_bytes", "budget_bytes")
