@@ -11,6 +11,11 @@ tensors of one storage are rebuilt on the reloaded storage with their own offset
 strides, so aliasing is preserved and nothing is copied twice.
 
 NOTE [Swap stream ordering]
+Streams and events are those of the tensors' device, never the current device's. Each group
+records the compute stream current when its layer ends (``compute``): every wait it needs later
+(its drop, its load) is made by that stream, named explicitly, so a wait issued while another
+stream is current (a garbage collection inside a copy-stream block, a second backward stream)
+still orders the right stream.
 Forward, layer i ends (``SwapGroup.close``):
   1. record event C on the compute stream; the copy stream waits on C;
   2. on the copy stream: device -> host copy of each storage into a pooled (pinned) buffer;
@@ -23,7 +28,8 @@ Backward, first unpack in group i (``SwapGroup.unpack``, ``ensure_loaded``):
   1. if group i is not loaded yet: allocate device storage on the compute stream, record event C,
      the copy stream waits on C, host -> device copy, record load event L_i;
   2. start the same load for group i-1 (prefetch: it overlaps layer i's backward);
-  3. the compute stream waits on L_i, then the saved tensors are rebuilt on the new storage.
+  3. the stream that unpacks waits on L_i, then the saved tensors are rebuilt on the new storage;
+     an unpack on another stream later makes that stream wait on L_i too.
 Host buffers go back to the pool once the group's load has been waited on (a buffer dropped
 earlier, by a pool that ``release`` closed, could be freed under the copy still reading it).
 A group dropped with copies in flight (a forward never backwarded, a backward that stopped early)
@@ -309,6 +315,9 @@ class SwapGroup:
         self.state = "forward"  # forward -> copying -> host -> loading -> loaded | kept
         self.offload_event: Any = None
         self.load_event: Any = None
+        self.device: torch.device | None = None
+        self.compute: Any = None  # the compute stream when the layer ended: it makes every wait
+        self.load_waiters: list[Any] = []  # the streams that waited on load_event
         self.backward_started = False
         _LIVE_GROUPS.add(self)
 
@@ -320,7 +329,7 @@ class SwapGroup:
         event = self.offload_event if state == "copying" else self.load_event if state == "loading" else None
         if event is not None and not sys.is_finalizing():
             with _quiet():
-                self.manager.wait(event)
+                self.manager.wait(event, self.compute)
 
     def _entry(self, storage: torch.UntypedStorage, device: torch.device, in_place: bool) -> _Entry:
         key = storage._cdata
@@ -387,22 +396,30 @@ class SwapGroup:
         if not copying:
             self.state = "kept"
             return
-        manager = self.manager
-        ready = backend.new_event()
-        ready.record(backend.current_stream())
-        manager.copy_stream.wait_event(ready)
-        with backend.use_stream(manager.copy_stream):
-            for entry in copying:
-                backend.copy_(entry.host[: entry.nbytes], entry.device_bytes)
-            self.offload_event = backend.new_event()
-            self.offload_event.record(manager.copy_stream)
+        self.device = copying[0].device
+        self.compute = backend.current_stream(self.device)
+        self.offload_event = self._copy([(entry.host[: entry.nbytes], entry.device_bytes) for entry in copying])
         self.state = "copying"
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Issue ``(destination, source)`` copies on the copy stream, ordered after the work issued
+        so far on this group's compute stream; return the event that marks their end."""
+        backend, stream = self.manager.backend, self.manager.copy_stream(self.device)
+        ready = backend.new_event()
+        ready.record(self.compute)
+        stream.wait_event(ready)
+        with backend.use_stream(stream):
+            for destination, source in pairs:
+                backend.copy_(destination, source)
+            done = backend.new_event()
+            done.record(stream)
+        return done
 
     def finish_offload(self) -> None:
         """Wait for the device -> host copies, then free the device memory this group holds."""
         if self.state != "copying":
             return
-        self.manager.wait(self.offload_event)
+        self.manager.wait(self.offload_event, self.compute)
         for entry in self.entries.values():
             if entry.in_place:
                 # Keep the (now empty) view: it is how start_load regrows the same storage.
@@ -419,7 +436,7 @@ class SwapGroup:
             self.finish_offload()
         if self.state != "host":
             return
-        manager, backend = self.manager, self.manager.backend
+        manager = self.manager
         saved = self._live_saved()
         for key, entry in list(self.entries.items()):
             if entry.in_place:
@@ -440,15 +457,9 @@ class SwapGroup:
         if not self.entries:
             self.state = "loaded"
             return
-        ready = backend.new_event()
-        ready.record(backend.current_stream())
-        manager.copy_stream.wait_event(ready)
-        with backend.use_stream(manager.copy_stream):
-            for entry in self.entries.values():
-                backend.copy_(entry.device_bytes, entry.host[: entry.nbytes])
-                manager.stats.reloaded_bytes += entry.nbytes
-            self.load_event = backend.new_event()
-            self.load_event.record(manager.copy_stream)
+        entries = list(self.entries.values())
+        self.load_event = self._copy([(entry.device_bytes, entry.host[: entry.nbytes]) for entry in entries])
+        manager.stats.reloaded_bytes += sum(entry.nbytes for entry in self.entries.values())
         self.state = "loading"
 
     def ensure_loaded(self) -> None:
@@ -458,11 +469,16 @@ class SwapGroup:
 
     def _ensure_loaded(self) -> None:
         self._start_backward()
-        if self.state not in ("host", "loading"):
+        if self.state not in ("host", "loading", "loaded"):
             return  # still on the device
         self.start_load()
+        if self.load_event is None:
+            return
+        stream = self.manager.backend.current_stream(self.device)
+        if not any(stream == waiter for waiter in self.load_waiters):
+            self.manager.wait(self.load_event, stream)
+            self.load_waiters.append(stream)
         if self.state == "loading":
-            self.manager.wait(self.load_event)
             self.state = "loaded"
             for entry in self.entries.values():
                 entry.release_host()
@@ -483,9 +499,10 @@ class SwapGroup:
                 with _quiet():
                     self._start_backward()
             return saved.tensor
+        with _quiet():
+            self.ensure_loaded()  # on every unpack: a stream that has not waited for the load waits
         if saved.rebuilt is None:
             with _quiet():
-                self.ensure_loaded()
                 storage = saved.entry.device_bytes.untyped_storage()
                 saved.rebuilt = torch.empty(0, dtype=saved.dtype, device=storage.device).set_(
                     storage, saved.offset, saved.size, saved.stride
@@ -539,21 +556,24 @@ class SwapManager:
         self.pool = HostPool(backend, host_budget_bytes)
         self.stats = SwapStats(wait_seconds=0.0 if backend.can_time_waits else None)
         self.warned: set[str] = set()
-        self._copy_stream: Any = None
+        self._copy_streams: dict[torch.device | None, Any] = {}
+        self._device: torch.device | None = None
         self._last: weakref.ref | None = None
         self._pending: weakref.ref | None = None
 
     def __reduce__(self) -> tuple:
         return SwapManager, (self.backend, self.min_swap_bytes, self.pool.budget_bytes)
 
-    @property
-    def copy_stream(self) -> Any:
-        if self._copy_stream is None:
-            self._copy_stream = self.backend.new_stream()
-        return self._copy_stream
+    def copy_stream(self, device: torch.device | None = None) -> Any:
+        """The copy stream of ``device`` (default: the device this manager copied from last)."""
+        self._device = device = device if device is not None else self._device
+        if device not in self._copy_streams:
+            self._copy_streams[device] = self.backend.new_stream(device)
+        return self._copy_streams[device]
 
-    def wait(self, event: Any) -> None:
-        waited = self.backend.wait(event)
+    def wait(self, event: Any, stream: Any) -> None:
+        """Make ``stream`` wait for ``event`` (device-side), counted in the statistics."""
+        waited = self.backend.wait(event, stream)
         self.stats.waits += 1
         if waited is not None and self.stats.wait_seconds is not None:
             self.stats.wait_seconds += waited

@@ -137,9 +137,9 @@ class _FakeNpuDeviceModule(types.ModuleType):
         self.calls.append(("is_available",))
         return self.available
 
-    def Stream(self) -> _FakeStream:  # noqa: N802  (torch.npu.Stream)
+    def Stream(self, device=None) -> _FakeStream:  # noqa: N802  (torch.npu.Stream)
         self._count += 1
-        self.calls.append(("Stream",))
+        self.calls.append(("Stream",) if device is None else ("Stream", str(device)))
         return _FakeStream(self.calls, f"side{self._count}")
 
     def Event(self) -> _FakeEvent:  # noqa: N802  (torch.npu.Event)
@@ -147,8 +147,8 @@ class _FakeNpuDeviceModule(types.ModuleType):
         self.calls.append(("Event",))
         return _FakeEvent(self.calls, f"event{self._count}")
 
-    def current_stream(self) -> _FakeStream:
-        self.calls.append(("current_stream",))
+    def current_stream(self, device=None) -> _FakeStream:
+        self.calls.append(("current_stream",) if device is None else ("current_stream", str(device)))
         return self._current
 
     @contextlib.contextmanager
@@ -161,19 +161,19 @@ class _FakeNpuDeviceModule(types.ModuleType):
             self._current = previous
             self.calls.append(("stream.exit", stream.label))
 
-    def synchronize(self) -> None:
-        self.calls.append(("synchronize",))
+    def synchronize(self, device=None) -> None:
+        self.calls.append(("synchronize",) if device is None else ("synchronize", str(device)))
 
-    def memory_allocated(self) -> int:
-        self.calls.append(("memory_allocated",))
+    def memory_allocated(self, device=None) -> int:
+        self.calls.append(("memory_allocated",) if device is None else ("memory_allocated", str(device)))
         return self.allocated
 
-    def max_memory_allocated(self) -> int:
-        self.calls.append(("max_memory_allocated",))
+    def max_memory_allocated(self, device=None) -> int:
+        self.calls.append(("max_memory_allocated",) if device is None else ("max_memory_allocated", str(device)))
         return self.peak
 
-    def reset_peak_memory_stats(self) -> None:
-        self.calls.append(("reset_peak_memory_stats",))
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.calls.append(("reset_peak_memory_stats",) if device is None else ("reset_peak_memory_stats", str(device)))
         self.peak = self.allocated
 
     def names(self) -> list[str]:

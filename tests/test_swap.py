@@ -510,7 +510,7 @@ def test_forward_never_backwarded_then_a_normal_step(net, plan):
     gc.collect()
     assert live_group_count() == 0
     assert pool.allocated_bytes <= 2 * sizes[0]
-    assert not manager(model).copy_stream.pending
+    assert not manager(model).copy_stream().pending
 
 
 @pytest.mark.parametrize("plan", CORE_PLANS)
@@ -588,7 +588,7 @@ def test_exception_in_the_middle_of_a_forward(net, plan):
         assert live_group_count() == 0
         sizes.append(mgr.pool.allocated_bytes)
     assert len(set(sizes)) == 1
-    assert not mgr.copy_stream.pending and not mgr.copy_stream.faults
+    assert not mgr.copy_stream().pending and not mgr.copy_stream().faults
 
 
 @pytest.mark.parametrize("drop_waits", [False, True], ids=["as-is", "without-the-drop-wait"])
@@ -609,7 +609,7 @@ def test_backward_that_stops_early_drains_the_prefetch(net, drop_waits, monkeypa
     del loss, hidden
     gc.collect()
     assert live_group_count() == 0
-    stream = manager(model).copy_stream
+    stream = manager(model).copy_stream()
     stream.synchronize()
     assert bool(stream.faults) == drop_waits, stream.faults
 
@@ -637,7 +637,7 @@ def test_two_models_do_not_share_swap_state():
     loss_b = loss_second(b)  # interleaved: a's forward, b's forward, b's backward, a's backward
     loss_b.backward()
     loss_a.backward()
-    assert manager(a).copy_stream is not manager(b).copy_stream
+    assert manager(a).copy_stream() is not manager(b).copy_stream()
     assert_parity(references[0], (loss_a.detach(), grads(a)))
     assert_parity(references[1], (loss_b.detach(), grads(b)))
     for model, expected in zip((a, b), alone, strict=True):
@@ -807,6 +807,7 @@ def test_sim_copy_lands_only_when_its_event_is_waited_on():
     backend = hyperac.get_backend("sim")
     stream = backend.new_stream()
     source, first, second = torch.arange(4.0), torch.zeros(4), torch.zeros(4)
+    stream.wait_stream(backend.current_stream())
     with backend.use_stream(stream):
         backend.copy_(first, source)
         event = backend.new_event()
@@ -830,17 +831,20 @@ def test_sim_copy_holds_neither_end_alive():
     backend = hyperac.get_backend("sim")
     stream = backend.new_stream()
     source, destination = torch.arange(4.0), torch.zeros(4)
+    stream.wait_stream(backend.current_stream())
     with backend.use_stream(stream):
         backend.copy_(destination, source)
     del source
     stream.synchronize()
     assert destination.isnan().all()
     resized = torch.arange(4.0)
+    stream.wait_stream(backend.current_stream())
     with backend.use_stream(stream):
         backend.copy_(destination, resized)
     resized.untyped_storage().resize_(0)
     stream.synchronize()
     assert destination.isnan().all()
+    stream.wait_stream(backend.current_stream())
     with backend.use_stream(stream):
         backend.copy_(torch.zeros(4), torch.arange(4.0))  # the destination dies at once
     assert not stream.faults
@@ -875,7 +879,7 @@ def test_a_missing_wait_is_caught(net, plan, monkeypatch):
     assert_parity(reference, train_step(model, loss_fn))
     assert_round_trip(model)
 
-    monkeypatch.setattr(SwapManager, "wait", lambda self, event: None)
+    monkeypatch.setattr(SwapManager, "wait", lambda self, event, stream: None)
     model = swapped(net, **PLANS[plan])
     _, broken = train_step(model, loss_fn)
     assert any(not torch.equal(broken[name], grad) for name, grad in reference[1].items())

@@ -139,12 +139,13 @@ class Backend:
         """The device tensors of this backend live on."""
         return torch.device(self.name, index) if index is not None else torch.device(self.name)
 
-    def new_stream(self) -> Any:
-        """A side stream for copies (a :class:`NullStream` where there are no streams)."""
+    def new_stream(self, device: torch.device | None = None) -> Any:
+        """A side stream of ``device`` (default: the current device) for copies (a
+        :class:`NullStream` where there are no streams)."""
         return NullStream()
 
-    def current_stream(self) -> Any:
-        """The stream compute is issued on."""
+    def current_stream(self, device: torch.device | None = None) -> Any:
+        """The stream compute is issued on, on ``device`` (default: the current device)."""
         return NullStream()
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
@@ -155,13 +156,18 @@ class Backend:
         """An event that can be recorded on a stream and waited on."""
         return NullEvent()
 
-    def wait(self, event: Any) -> float | None:
-        """Make the current stream wait for ``event`` (a device-side wait, not a host sync).
+    def wait(self, event: Any, stream: Any = None) -> float | None:
+        """Make ``stream`` (default: the current stream) wait for ``event`` (a device-side wait, not
+        a host sync).
 
         Returns the seconds waited where the backend can tell (``can_time_waits``), else ``None``.
         """
-        self.current_stream().wait_event(event)
+        (stream if stream is not None else self.current_stream()).wait_event(event)
         return None
+
+    def is_capturing(self, device: torch.device | None = None) -> bool:
+        """Whether the current stream of ``device`` is capturing a graph (CUDA graphs)."""
+        return False
 
     def copy_(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         """Copy ``source`` into ``destination`` on the current stream, without blocking the host."""
@@ -175,19 +181,19 @@ class Backend:
         pin = pinned and self.supports_pinned_memory()
         return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
 
-    def synchronize(self) -> None:
-        """Wait for all work on this backend's current device."""
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait for all work on ``device`` (default: the current device)."""
 
-    def memory_allocated(self) -> int:
-        """Bytes currently allocated on the device (0 where not measurable)."""
+    def memory_allocated(self, device: torch.device | None = None) -> int:
+        """Bytes currently allocated on ``device`` (0 where not measurable)."""
         return 0
 
-    def max_memory_allocated(self) -> int:
-        """Peak bytes allocated since the last reset (0 where not measurable)."""
+    def max_memory_allocated(self, device: torch.device | None = None) -> int:
+        """Peak bytes allocated on ``device`` since the last reset (0 where not measurable)."""
         return 0
 
-    def reset_peak_memory_stats(self) -> None:
-        """Start a new peak measurement."""
+    def reset_peak_memory_stats(self, device: torch.device | None = None) -> None:
+        """Start a new peak measurement on ``device``."""
 
     def attention_ops(self) -> frozenset:
         """Attention overloads whose outputs the selective policy keeps."""
@@ -211,11 +217,11 @@ class DeviceModuleBackend(Backend):
     def _module(self) -> Any:
         return getattr(torch, self.name)
 
-    def new_stream(self) -> Any:
-        return self._module().Stream()
+    def new_stream(self, device: torch.device | None = None) -> Any:
+        return self._module().Stream(device=device)
 
-    def current_stream(self) -> Any:
-        return self._module().current_stream()
+    def current_stream(self, device: torch.device | None = None) -> Any:
+        return self._module().current_stream(device)
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
         return self._module().stream(stream)
@@ -229,14 +235,17 @@ class DeviceModuleBackend(Backend):
     def supports_pinned_memory(self) -> bool:
         return True
 
-    def synchronize(self) -> None:
-        self._module().synchronize()
+    def is_capturing(self, device: torch.device | None = None) -> bool:
+        return bool(self._module().is_current_stream_capturing())
 
-    def memory_allocated(self) -> int:
-        return int(self._module().memory_allocated())
+    def synchronize(self, device: torch.device | None = None) -> None:
+        self._module().synchronize(device)
 
-    def max_memory_allocated(self) -> int:
-        return int(self._module().max_memory_allocated())
+    def memory_allocated(self, device: torch.device | None = None) -> int:
+        return int(self._module().memory_allocated(device))
 
-    def reset_peak_memory_stats(self) -> None:
-        self._module().reset_peak_memory_stats()
+    def max_memory_allocated(self, device: torch.device | None = None) -> int:
+        return int(self._module().max_memory_allocated(device))
+
+    def reset_peak_memory_stats(self, device: torch.device | None = None) -> None:
+        self._module().reset_peak_memory_stats(device)

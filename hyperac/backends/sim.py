@@ -1,13 +1,34 @@
-"""The ``sim`` backend: a CPU stand-in for an accelerator with asynchronous copies.
+"""The ``sim`` backend: a CPU stand-in for an accelerator whose streams run asynchronously.
 
-Tensors on the CPU play the device. A copy issued on a side stream does not happen when it is
-issued: it is queued on that stream and lands only when an event recorded after it is waited on
-(or the stream is synchronized). It reads its source and writes its destination when it lands,
-and holds neither alive, as a GPU copy does not keep memory from the caching allocator: a source
-freed (or resized away) before the copy lands yields garbage bytes (all ones: NaN in floats), and a
-destination freed before it lands is a write into freed memory, recorded in the stream's
-``faults``. A missing wait therefore yields wrong numbers or a fault in a test, where on a GPU it
-would be a rare race. Tests and diagnostics only: ``backend="auto"`` never picks it.
+Tensors on the CPU play the memory of device ``sim:0``. Tests and diagnostics only:
+``backend="auto"`` never picks it. What it models, so that a missing or misplaced wait shows as
+wrong numbers or a named :class:`SimRaceError` in a CPU test instead of a rare race on a GPU:
+
+- **Streams run on their own.** Each stream (the compute stream of each device included) has a
+  position that advances as work is issued on it. A copy issued on a side stream is queued and
+  lands only when a stream that runs on the host (compute) or the host itself waits on an event
+  recorded after it, or the stream is synchronized. It reads its source and writes its
+  destination when it lands.
+- **Who waited on what.** A stream knows the position of another stream only through an event it
+  waited on (``stream.wait_event``, ``event.wait(stream)``, ``wait_stream``); a wait on the wrong
+  stream, or a stream waiting on its own event, orders nothing. Device-side waits (a stream waits)
+  and host-side completion (``event.synchronize``, ``synchronize``) are distinct.
+- **Every access is checked.** A side-stream copy of device memory must be ordered after the
+  compute work issued before it (the last event recorded on compute, or compute's last wait); a
+  read of a buffer that a copy wrote, and a write of a buffer that a copy reads, must be ordered
+  after that copy on the stream that does it. Compute's accesses are checked in
+  :meth:`SimBackend.checking` (a dispatch mode: wrap forward and backward) and by
+  :meth:`SimBackend.check_read`. A violation raises :class:`SimRaceError` naming both ops.
+- **The caching allocator.** A copy holds neither end alive, as a GPU copy does not keep memory
+  from the caching allocator: memory freed on compute is reused at once by compute unless the
+  free was ordered after every stream that used it (compute waited on the copy, which landed the
+  copy first). So a copy whose source was freed before it landed reads garbage (all ones: NaN in
+  floats), and one whose destination was freed writes into memory someone else owns: recorded in
+  the stream's ``faults``, with the copy named.
+- **Devices.** Streams and events belong to a device; ``SimBackend(current_device=1)`` makes
+  ``sim:1`` current while tensors live on ``sim:0``, so code that takes the device from the current
+  device instead of the tensor gets streams of the wrong device, and its copies raise.
+- **Graph capture.** :meth:`SimBackend.capturing` marks a capture, as ``torch.cuda.graph`` does.
 
 NOTE [Simulated link and compute time]
 ``SimBackend(link_bandwidth=B)`` gives copies a duration: a copy of ``n`` bytes occupies its stream
@@ -26,47 +47,74 @@ import contextvars
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from .base import Backend
 from .registry import register_backend
 
+__all__ = ["SimBackend", "SimEvent", "SimRaceError", "SimStream"]
+
+TENSOR_DEVICE = 0
+"""The sim device every (CPU) tensor lives on."""
+
+
+class SimRaceError(RuntimeError):
+    """Two accesses to one buffer that no wait orders (on a GPU: a race)."""
+
 
 class SimStream:
-    """A queue of copies, run in order when an event behind them is waited on."""
+    """One stream of one sim device: a position, the positions of other streams it is ordered
+    after, and (side streams) the copies queued on it."""
 
-    def __init__(self, immediate: bool = False, bandwidth: float | None = None) -> None:
-        self.immediate = immediate
-        self.bandwidth = bandwidth
-        self.pending: collections.deque[tuple[int, float, Callable[[], None]]] = collections.deque()
-        self.issued = 0
+    def __init__(self, device: int, name: str, compute: bool = False, bandwidth: float | None = None) -> None:
+        self.device, self.name, self.compute, self.bandwidth = device, name, compute, bandwidth
+        self.issued = 0  # position of the last op issued on this stream
+        self.landed = 0  # side streams: copies up to here have landed
+        self.seen: weakref.WeakKeyDictionary[SimStream, int] = weakref.WeakKeyDictionary()
+        # (position, when it is done, the work, the side-stream positions it is ordered after)
+        self.pending: collections.deque[tuple[int, float, Callable[[], None], list]] = collections.deque()
         self.busy_until = 0.0
         self.faults: list[str] = []
 
-    def enqueue(self, work: Callable[[], None], nbytes: int = 0) -> None:
-        if self.immediate:
-            work()
-            return
+    def __repr__(self) -> str:
+        return f"sim:{self.device} {self.name}"
+
+    def knows(self, other: SimStream, position: int) -> bool:
+        """Whether work on this stream is ordered after ``other``'s op at ``position``."""
+        return other is self or self.seen.get(other, 0) >= position
+
+    def issue(self) -> int:
         self.issued += 1
+        return self.issued
+
+    def enqueue(self, work: Callable[[], None], nbytes: int) -> int:
+        ticket = self.issue()
         done = 0.0
         if self.bandwidth:
             done = self.busy_until = max(time.perf_counter(), self.busy_until) + nbytes / self.bandwidth
-        self.pending.append((self.issued, done, work))
+        after = [(other, position) for other, position in self.seen.items() if not other.compute]
+        self.pending.append((ticket, done, work, after))
+        return ticket
 
     def run_until(self, ticket: int) -> None:
         while self.pending and self.pending[0][0] <= ticket:
-            _, done, work = self.pending.popleft()
+            self.landed, done, work, after = self.pending.popleft()
+            for other, position in after:  # what it was ordered after lands first
+                other.run_until(position)
             _busy_wait(done)
             work()
 
     def wait_event(self, event: SimEvent) -> None:
-        event.synchronize()
+        event.wait(self)
 
     def wait_stream(self, stream: SimStream) -> None:
-        stream.synchronize()
+        event = SimEvent()
+        event.record(stream)
+        event.wait(self)
 
     def synchronize(self) -> None:
         self.run_until(self.issued)
@@ -78,18 +126,107 @@ def _busy_wait(until: float) -> None:
         pass
 
 
-class _Computing(TorchDispatchMode):
-    """Every op takes at least ``seconds`` (NOTE [Simulated link and compute time])."""
+class SimEvent:
+    """Marks a position of a :class:`SimStream`."""
 
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
+    def __init__(self) -> None:
+        self.stream: SimStream | None = None
+        self.ticket = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        _busy_wait(start + self.seconds)
-        return out
+    def record(self, stream: SimStream | None = None) -> None:
+        self.stream = stream if stream is not None else _current_stream(TENSOR_DEVICE)
+        self.ticket = self.stream.issue() if self.stream.compute else self.stream.issued
+
+    def wait(self, stream: SimStream | None = None) -> None:
+        """Order ``stream``'s later work (default: the current stream of the event's device) after
+        this event. A stream that runs on the host (compute) gets the copies landed now."""
+        if self.stream is None:
+            return
+        waiter = stream if stream is not None else _current_stream(self.stream.device)
+        if waiter is self.stream:
+            return  # a stream waiting on its own event: orders nothing
+        waiter.seen[self.stream] = max(waiter.seen.get(self.stream, 0), self.ticket)
+        for other, position in list(self.stream.seen.items()):  # ordering is transitive
+            if other is not waiter:
+                waiter.seen[other] = max(waiter.seen.get(other, 0), position)
+        if waiter.compute or waiter is _current_stream(waiter.device):  # it runs on the host: land now
+            waiter.issue()
+            self.stream.run_until(self.ticket)
+
+    def query(self) -> bool:
+        return self.stream is None or not self.stream.pending or self.stream.pending[0][0] > self.ticket
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.run_until(self.ticket)
+
+
+class _Access:
+    """The last copy that wrote, and the copies that read, one storage."""
+
+    __slots__ = ("storage", "write", "reads")
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage = weakref.ref(storage)
+        self.write: tuple[SimStream, int, str] | None = None
+        self.reads: list[tuple[SimStream, int, str]] = []
+
+
+class _Ledger:
+    """Accesses by copies, per storage: what every later access must be ordered after."""
+
+    def __init__(self) -> None:
+        self.accesses: dict[int, _Access] = {}
+
+    def get(self, tensor: torch.Tensor, create: bool = False) -> _Access | None:
+        storage = tensor.untyped_storage()
+        access = self.accesses.get(storage._cdata)
+        if access is not None and access.storage() is not storage:
+            access = None  # a freed storage's address, reused
+        if access is None and create:
+            if len(self.accesses) > 4096:
+                self.accesses = {k: a for k, a in self.accesses.items() if a.storage() is not None}
+            access = self.accesses[storage._cdata] = _Access(storage)
+        return access
+
+    def check(self, stream: SimStream, tensor: torch.Tensor, what: str, write: bool) -> None:
+        access = self.get(tensor)
+        if access is None:
+            return
+        earlier = ([access.write] if access.write else []) + (access.reads if write else [])
+        for other, position, label in earlier:
+            if not stream.knows(other, position):
+                raise SimRaceError(
+                    f"{what} on {stream!r} {'writes' if write else 'reads'} a buffer that {label} on {other!r} "
+                    f"{'writes' if (other, position, label) == access.write else 'reads'}, and {stream!r} never "
+                    f"waited on an event recorded after it; make {stream!r} wait on that event first."
+                )
+
+    def copied(self, stream: SimStream, ticket: int, destination: torch.Tensor, source: torch.Tensor) -> None:
+        label = f"copy #{ticket}"
+        written = self.get(destination, create=True)
+        written.write, written.reads = (stream, ticket, label), []
+        self.get(source, create=True).reads.append((stream, ticket, label))
+
+
+_LEDGER = _Ledger()
+_STREAMS: dict[int, SimStream] = {}
+_current: contextvars.ContextVar[dict[int, SimStream] | None] = contextvars.ContextVar(
+    "hyperac_sim_streams", default=None)
+_device: contextvars.ContextVar[int | None] = contextvars.ContextVar("hyperac_sim_device", default=None)
+_CAPTURING: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperac_sim_capturing", default=False)
+
+
+def compute_stream(device: int = TENSOR_DEVICE) -> SimStream:
+    """The compute (default) stream of sim device ``device``."""
+    if device not in _STREAMS:
+        _STREAMS[device] = SimStream(device, "compute", compute=True)
+    return _STREAMS[device]
+
+
+def _current_stream(device: int) -> SimStream:
+    streams = _current.get()
+    return streams[device] if streams and device in streams else compute_stream(device)
 
 
 class _WeakView:
@@ -116,52 +253,49 @@ class _DeferredCopy:
 
     def __init__(self, stream: SimStream, destination: torch.Tensor, source: torch.Tensor) -> None:
         self.stream, self.destination, self.source = stream, _WeakView(destination), _WeakView(source)
+        self.label = ""
 
     def __call__(self) -> None:
-        destination = self.destination.get()
-        if destination is None:
-            self.stream.faults.append(
-                f"a copy of {self.source.nbytes} bytes landed in memory freed before it landed (a missing wait)"
-            )
-            return
-        source = self.source.get()
-        if source is not None:
-            destination.copy_(source)
-        elif destination.is_contiguous() and destination.numel():
-            destination.reshape(-1).view(torch.uint8).fill_(255)  # the freed memory's new contents
-        else:
-            destination.fill_(float("nan") if destination.is_floating_point() else -1)
+        with _disable_current_modes():
+            destination = self.destination.get()
+            if destination is None:
+                self.stream.faults.append(
+                    f"{self.label} on {self.stream!r} ({self.source.nbytes} bytes) landed in memory freed before it "
+                    "landed (freed on a stream that never waited for it)"
+                )
+                return
+            source = self.source.get()
+            if source is not None:
+                destination.copy_(source)
+            elif destination.is_contiguous() and destination.numel():
+                destination.reshape(-1).view(torch.uint8).fill_(255)  # the freed memory's new contents
+            else:
+                destination.fill_(float("nan") if destination.is_floating_point() else -1)
 
 
-class SimEvent:
-    """Marks a point in a :class:`SimStream`; waiting on it runs the copies queued before it."""
+class _Computing(TorchDispatchMode):
+    """Compute's accesses, checked against the copies' (and every op takes at least ``seconds``)."""
 
-    def __init__(self) -> None:
-        self.stream: SimStream | None = None
-        self.ticket = 0
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
 
-    def record(self, stream: SimStream | None = None) -> None:
-        self.stream = stream if stream is not None else _current.get()
-        self.ticket = self.stream.issued
-
-    def wait(self, stream: Any = None) -> None:
-        self.synchronize()
-
-    def query(self) -> bool:
-        return self.stream is None or not self.stream.pending or self.stream.pending[0][0] > self.ticket
-
-    def synchronize(self) -> None:
-        if self.stream is not None:
-            self.stream.run_until(self.ticket)
-
-
-_COMPUTE = SimStream(immediate=True)
-_current: contextvars.ContextVar[SimStream] = contextvars.ContextVar("hyperac_sim_stream", default=_COMPUTE)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        stream = _current_stream(TENSOR_DEVICE)
+        mutable = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        for name, value in [*zip((a.name for a in func._schema.arguments), args), *(kwargs or {}).items()]:
+            for tensor in tree_flatten(value)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout == torch.strided:
+                    _LEDGER.check(stream, tensor, f"{func} (compute)", write=name in mutable)
+        out = func(*args, **(kwargs or {}))
+        _busy_wait(start + self.seconds)
+        return out
 
 
 @register_backend
 class SimBackend(Backend):
-    """Asynchronous-copy simulation on the CPU; the swap test suite runs on it."""
+    """Asynchronous-stream simulation on the CPU; the swap test suite runs on it."""
 
     name: ClassVar[str] = "sim"
     can_swap: ClassVar[bool] = True
@@ -174,54 +308,115 @@ class SimBackend(Backend):
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
 
-    def __init__(self, link_bandwidth: float | None = None, seconds_per_op: float = 0.0) -> None:
+    def __init__(self, link_bandwidth: float | None = None, seconds_per_op: float = 0.0,
+                 current_device: int = TENSOR_DEVICE) -> None:
         """``link_bandwidth``: bytes/s of host copies (``None``: instant); ``seconds_per_op``: the
-        least time an op takes inside :meth:`computing` (NOTE [Simulated link and compute time])."""
+        least time an op takes inside :meth:`computing` (NOTE [Simulated link and compute time]);
+        ``current_device``: the sim device that is current (tensors live on ``sim:0``)."""
         self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet()
+        self._host: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
         self.link_bandwidth = link_bandwidth
         self.seconds_per_op = seconds_per_op
+        self.current_device = current_device
 
     def __reduce__(self) -> tuple:
         """A copy (deepcopy, pickle, a copied applied model's swap state) has the same settings and
         none of this backend's streams."""
-        return SimBackend, (self.link_bandwidth, self.seconds_per_op)
+        return SimBackend, (self.link_bandwidth, self.seconds_per_op, self.current_device)
+
+    def _index(self, device: torch.device | None) -> int:
+        """The sim device of ``device`` (every tensor's), or the current one for ``None``."""
+        if device is not None:
+            return TENSOR_DEVICE
+        current = _device.get()
+        return self.current_device if current is None else current
 
     def computing(self) -> contextlib.AbstractContextManager:
-        """Ops take at least ``seconds_per_op`` while this is active."""
-        return _Computing(self.seconds_per_op) if self.seconds_per_op else contextlib.nullcontext()
+        """Check compute's accesses while this is active; ops take at least ``seconds_per_op``."""
+        return _Computing(self.seconds_per_op)
 
-    def new_stream(self) -> SimStream:
-        stream = SimStream(bandwidth=self.link_bandwidth)
-        self._streams.add(stream)
-        return stream
-
-    def current_stream(self) -> SimStream:
-        return _current.get()
+    checking = computing
 
     @contextlib.contextmanager
-    def use_stream(self, stream: SimStream):
-        token = _current.set(stream)
+    def capturing(self):
+        """Mark a graph capture on this thread (``is_capturing`` is true inside)."""
+        token = _CAPTURING.set(True)
         try:
             yield
         finally:
+            _CAPTURING.reset(token)
+
+    def is_capturing(self, device: torch.device | None = None) -> bool:
+        return _CAPTURING.get()
+
+    def new_stream(self, device: torch.device | None = None) -> SimStream:
+        stream = SimStream(self._index(device), f"side stream {len(self._streams) + 1}", bandwidth=self.link_bandwidth)
+        self._streams.add(stream)
+        return stream
+
+    def current_stream(self, device: torch.device | None = None) -> SimStream:
+        return _current_stream(self._index(device))
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: SimStream):
+        # As torch.cuda.stream: the stream's device becomes current too.
+        token = _current.set({**(_current.get() or {}), stream.device: stream})
+        device_token = _device.set(stream.device)
+        try:
+            yield
+        finally:
+            _device.reset(device_token)
             _current.reset(token)
 
     def new_event(self) -> SimEvent:
         return SimEvent()
 
-    def wait(self, event: SimEvent) -> float:
+    def wait(self, event: SimEvent, stream: SimStream | None = None) -> float:
         start = time.perf_counter()
-        event.synchronize()
+        event.wait(stream if stream is not None else self.current_stream())
         return time.perf_counter() - start
 
-    def copy_(self, destination: torch.Tensor, source: torch.Tensor) -> None:
-        stream = _current.get()
-        if stream.immediate:
-            destination.copy_(source)
-        else:
-            stream.enqueue(_DeferredCopy(stream, destination, source), source.numel() * source.element_size())
+    def check_read(self, tensor: torch.Tensor, what: str = "a read") -> None:
+        """Raise :class:`SimRaceError` unless a read of ``tensor`` on the current stream is ordered
+        after the copy that wrote it."""
+        _LEDGER.check(_current_stream(TENSOR_DEVICE), tensor, what, write=False)
 
-    def synchronize(self) -> None:
+    def host_empty(self, like: torch.Tensor, pinned: bool = True) -> torch.Tensor:
+        host = super().host_empty(like, pinned)
+        self._host[host.untyped_storage()._cdata] = host.untyped_storage()
+        return host
+
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        return self._host.get(tensor.untyped_storage()._cdata) is tensor.untyped_storage()
+
+    def copy_(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        stream = self.current_stream()
+        what = f"copy #{stream.issued + 1}"
+        if stream.device != TENSOR_DEVICE:
+            raise SimRaceError(
+                f"{what} of a tensor on sim:{TENSOR_DEVICE} was issued on {stream!r}, a stream of another device "
+                f"(sim:{stream.device} is current); take streams from the tensor's device."
+            )
+        compute = compute_stream(TENSOR_DEVICE)
+        if not stream.compute and not stream.knows(compute, compute.issued):
+            device_end = source if self._is_host(destination) else destination
+            raise SimRaceError(
+                f"{what} on {stream!r} touches device memory ({tuple(device_end.shape)}) that compute op "
+                f"#{compute.issued} on {compute!r} may still use; {stream!r} never waited on an event recorded "
+                "there after it. Record an event on the compute stream and make the copy stream wait on it."
+            )
+        _LEDGER.check(stream, source, what, write=False)
+        _LEDGER.check(stream, destination, what, write=True)
+        if stream.compute:
+            destination.copy_(source)
+            _LEDGER.copied(stream, stream.issue(), destination, source)
+            return
+        work = _DeferredCopy(stream, destination, source)
+        ticket = stream.enqueue(work, source.numel() * source.element_size())
+        work.label = f"copy #{ticket}"
+        _LEDGER.copied(stream, ticket, destination, source)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
         """Land every copy queued on the streams this backend made."""
         for stream in list(self._streams):
             stream.synchronize()
