@@ -35,6 +35,7 @@ from torch import nn
 
 import hyperac
 from hyperac import ConfigError, HyperACWarning
+from hyperac.backends.sim import SimBackend, SimRaceError
 from hyperac.swap import SwapGroup, SwapManager, SwapStats, current_group, live_group_count
 
 SIM = dict(backend="sim", min_swap_bytes=0)
@@ -883,6 +884,106 @@ def test_a_missing_wait_is_caught(net, plan, monkeypatch):
     model = swapped(net, **PLANS[plan])
     _, broken = train_step(model, loss_fn)
     assert any(not torch.equal(broken[name], grad) for name, grad in reference[1].items())
+
+
+def checked_step(model, loss_fn):
+    """``train_step`` with every op of forward and backward checked against the sim's copies."""
+    with manager(model).backend.computing():
+        return train_step(model, loss_fn)
+
+
+@pytest.mark.parametrize("plan", CORE_PLANS)
+def test_every_compute_read_is_ordered_after_its_copy(net, plan):
+    """Under the sim's checking mode each op's reads and writes of a buffer a copy touched are
+    checked against that copy: a step raises nothing and stays exact."""
+    loss_fn = net_loss()
+    reference = train_step(copy.deepcopy(net), loss_fn)
+    model = swapped(net, **PLANS[plan])
+    for _ in range(2):
+        assert_parity(reference, checked_step(model, loss_fn))
+    assert_round_trip(model)
+
+
+def test_compute_read_before_the_load_is_waited_names_both_ops():
+    backend = hyperac.get_backend("sim")
+    side = backend.new_stream()
+    source, destination = torch.arange(4.0), torch.zeros(4)
+    side.wait_stream(backend.current_stream())
+    with backend.use_stream(side):
+        backend.copy_(destination, source)
+        done = backend.new_event()
+        done.record()
+    with pytest.raises(SimRaceError, match=r"aten.add.Tensor \(compute\) on sim:0 compute reads a buffer that "
+                       r"copy #1 on sim:0 side stream \d+ writes"), backend.computing():
+        destination + 1
+    side.wait_event(done)  # the side stream waiting on its own event orders nothing
+    with pytest.raises(SimRaceError), backend.computing():
+        destination + 1
+    backend.wait(done)
+    with backend.computing():
+        assert torch.equal(destination + 1, source + 1)
+
+
+def test_copy_not_ordered_after_compute_names_the_compute_op():
+    backend = hyperac.get_backend("sim")
+    side = backend.new_stream()
+    ready = backend.new_event()
+    ready.record(side)  # recorded on the wrong stream
+    side.wait_event(ready)
+    with backend.use_stream(side), pytest.raises(SimRaceError, match="never waited on an event recorded there"):
+        backend.copy_(torch.zeros(4), torch.ones(4))
+
+
+def _two_saved(backend, stream_of_second):
+    """Group 0 saves ``a`` and ``b`` (one ``mul``); unpack ``a`` on the compute stream and ``b`` on
+    ``stream_of_second``, then read ``b`` there."""
+    mgr = SwapManager(backend, min_swap_bytes=0, host_budget_bytes=1 << 20)
+    a, b = (torch.randn(8, requires_grad=True) for _ in range(2))
+    out = mgr.run_layer(True, lambda: (a.exp() * b.exp()), ((), {}))
+    mgr.run_layer(False, lambda: out.sum(), ((), {}))  # ends group 0's offload
+    first = out.grad_fn._saved_self  # the compute stream unpacks first and waits on the load
+    with backend.use_stream(stream_of_second):
+        second = out.grad_fn._saved_other
+        backend.check_read(second, "a read of the second unpacked tensor")
+    return first, second, (a, b)
+
+
+def test_unpack_on_a_second_stream_waits_on_the_load():
+    """Autograd may run a node's backward on another stream than the first unpack's: that stream
+    must wait on the load too, or it reads the reloaded tensor before the copy lands."""
+    backend = hyperac.get_backend("sim")
+    first, second, (a, b) = _two_saved(backend, backend.new_stream())
+    assert torch.equal(first, a.exp()) and torch.equal(second, b.exp())
+
+
+def test_group_dropped_while_the_copy_stream_is_current(net):
+    """A group dropped by the collector while another stream is current (here the copy stream)
+    still makes its own compute stream wait for its copies before its device memory is freed:
+    block 0's group is prefetched by a backward that stops before it, then dropped."""
+    model = swapped(net, mode="full", swap_inputs=True)
+    mgr = manager(model)
+    model.train()
+    hidden = []
+    loss = net_loss()(model, hidden=hidden)
+    torch.autograd.grad(loss, hidden[0])
+    with mgr.backend.use_stream(mgr.copy_stream()):
+        del loss, hidden
+        gc.collect()
+    assert live_group_count() == 0
+    mgr.copy_stream().synchronize()
+    assert not mgr.copy_stream().faults
+
+
+def test_model_on_a_device_that_is_not_current():
+    """Device sim:1 is current, the model lives on sim:0: streams, events and waits must be those
+    of the tensors' device (a copy on a sim:1 stream of sim:0 memory raises)."""
+    loss_fn = net_loss()
+    net = make_net()
+    reference = train_step(copy.deepcopy(net), loss_fn)
+    model = applied_copy(net, backend=SimBackend(current_device=1), layers="blocks", mode="swap", min_swap_bytes=0)[0]
+    assert_parity(reference, checked_step(model, loss_fn))
+    assert_round_trip(model)
+    assert manager(model).copy_stream().device == 0
 
 
 # --- Budget, in-place changes, odd tensors ---
