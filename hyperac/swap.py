@@ -169,6 +169,17 @@ class HostPool:
 
     A copy (deepcopy, pickle) is a fresh, empty pool with the same budget and a copy of the backend.
 
+    NOTE [Host pool size classes]
+    Buffers are powers of two (``host_buffer_bytes``), kept free by size. A request takes the
+    smallest free buffer that holds it, of its own size class or a larger one, so a step with
+    shorter sequences reuses the buffers of a longer one instead of allocating its own; a pinned
+    allocation (slow, and synchronizing on some drivers) then happens only in the first steps that
+    meet a new largest size. When nothing free fits and a new buffer would pass the budget, free
+    buffers are evicted, smallest first, until it fits (none when that would not make room): idle
+    buffers of sizes no longer asked for never keep the budget from the tensors of the current
+    step. A free buffer is never read by a copy (it returns to the pool once its load was waited
+    on), so evicting it is safe.
+
     NOTE [Pool lock and garbage collection]
     A host buffer returns to the pool when its entry dies (``_Entry.__del__``), and the garbage
     collector can run that inside any allocation, including one made while this thread holds the
@@ -180,6 +191,8 @@ class HostPool:
         self.backend = backend
         self.budget_bytes = budget_bytes
         self.allocated_bytes = 0
+        self.allocations = 0
+        """Host buffers allocated so far (pinned where supported)."""
         self._free: dict[int, list[torch.Tensor]] = {}
         self._closed = False
         self._lock = threading.RLock()
@@ -188,15 +201,22 @@ class HostPool:
         return HostPool, (self.backend, self.budget_bytes)
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
-        """A host byte buffer of at least ``nbytes``, or ``None`` when the budget is spent."""
+        """A host byte buffer of at least ``nbytes``, or ``None`` when the budget is spent
+        (NOTE [Host pool size classes])."""
         size = host_buffer_bytes(nbytes)
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                return free.pop()
-            if self.allocated_bytes + size > self.budget_bytes:
-                return None
+            fits = [n for n, buffers in self._free.items() if n >= size and buffers]
+            if fits:
+                return self._free[min(fits)].pop()
+            idle = sum(n * len(buffers) for n, buffers in self._free.items())
+            if self.allocated_bytes - idle + size > self.budget_bytes:
+                return None  # evicting everything idle would not make room
+            for n in sorted(self._free):
+                while self._free[n] and self.allocated_bytes + size > self.budget_bytes:
+                    self._free[n].pop()
+                    self.allocated_bytes -= n
             self.allocated_bytes += size
+            self.allocations += 1
         return self.backend.host_empty(torch.empty(size, dtype=torch.uint8, device="meta"), pinned=True)
 
     def release(self, buffer: torch.Tensor) -> None:

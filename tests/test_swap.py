@@ -36,7 +36,7 @@ from torch import nn
 import hyperac
 from hyperac import ConfigError, HyperACWarning
 from hyperac.backends.sim import SimBackend, SimRaceError
-from hyperac.swap import SwapGroup, SwapManager, SwapStats, current_group, live_group_count
+from hyperac.swap import HostPool, SwapGroup, SwapManager, SwapStats, current_group, live_group_count
 
 SIM = dict(backend="sim", min_swap_bytes=0)
 
@@ -1006,6 +1006,44 @@ def test_host_budget_keeps_the_rest_on_device_and_warns_once(net):
     other = swapped(net, mode="swap", host_budget_bytes=4096)
     with pytest.warns(HyperACWarning, match="host budget of 4096 bytes is spent"):  # told about this model too
         train_step(other, loss_fn)
+
+
+def test_varying_sequence_lengths_keep_offloading_under_a_budget(net):
+    """Steps at lengths 256, 100, 60, 256 under a host budget of 1.5x one length-256 step: the
+    shorter steps reuse the long step's buffers, so the second 256 step offloads what the first
+    did, and no host buffer is allocated after the first step (NOTE [Host pool size classes])."""
+    probe = swapped(net, mode="swap")
+    train_step(probe, net_loss(seq=256))
+    budget = manager(probe).pool.allocated_bytes * 3 // 2
+    model = swapped(net, mode="swap", host_budget_bytes=budget)
+    pool, stats = manager(model).pool, hyperac.swap_stats(model)
+    offloaded, allocations = [], []
+    for seq in (256, 100, 60, 256):
+        stats.reset()
+        assert_parity(train_step(copy.deepcopy(net), net_loss(seq=seq)), train_step(model, net_loss(seq=seq)))
+        assert stats.skipped["budget"] == 0, (seq, stats)
+        assert_round_trip(model)
+        offloaded.append(stats.offloaded_bytes)
+        allocations.append(pool.allocations)
+    assert offloaded[3] == offloaded[0] > offloaded[1] > offloaded[2]
+    assert allocations == [allocations[0]] * 4
+    assert pool.allocated_bytes <= budget
+
+
+def test_pool_serves_from_larger_buffers_and_evicts_idle_ones_on_pressure():
+    pool = HostPool(hyperac.get_backend("sim"), budget_bytes=4096)
+    held = [pool.acquire(1000) for _ in range(4)]  # 4 x 1024: the budget is spent
+    assert pool.acquire(1000) is None
+    for buffer in held[1:]:
+        pool.release(buffer)
+    small = pool.acquire(300)
+    assert small.numel() == 1024  # a smaller tensor from a larger free buffer
+    assert pool.acquire(3000) is None  # 2 x 1024 in use: evicting the idle two would not make room
+    assert sum(len(b) for b in pool._free.values()) == 2 and pool.allocations == 4
+    pool.release(held[0])
+    pool.release(small)
+    assert pool.acquire(3000).numel() == 4096  # the idle 1024 buffers are evicted for it
+    assert pool.allocated_bytes == 4096 and pool.allocations == 5 and not any(pool._free.values())
 
 
 class InPlaceBlock(Block):
