@@ -80,8 +80,8 @@ from ._compat import storage_use_count
 from .backends import Backend
 from .errors import ConfigError, warn_once
 
-__all__ = ["LayerSwap", "SwapManager", "SwapStats", "current_group", "default_host_budget", "host_buffer_bytes",
-           "live_group_count", "swap_ineligible"]
+__all__ = ["LayerSwap", "SwapManager", "SwapStats", "container_memory_limit", "current_group", "default_host_budget",
+           "host_buffer_bytes", "live_group_count", "swap_ineligible"]
 
 _LIVE_GROUPS: weakref.WeakSet = weakref.WeakSet()
 
@@ -125,9 +125,39 @@ class SwapStats:
         )
 
 
-def default_host_budget() -> int:
-    """Half of the host's physical memory, shared by the processes on this node: divided by
-    ``LOCAL_WORLD_SIZE`` (torchrun sets it; 1 when unset)."""
+def container_memory_limit(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit of this process's cgroup and its ancestors (cgroup v2 ``memory.max``, v1
+    ``memory/memory.limit_in_bytes``), in bytes, or ``None`` where there is none or it is unreadable."""
+    try:
+        with open("/proc/self/cgroup") as lines:
+            entries = [line.rstrip("\n").split(":", 2) for line in lines]
+    except OSError:
+        entries = []
+    paths = {("memory.max", ""): "/", ("memory.limit_in_bytes", "memory"): "/"}
+    for _, controllers, path in (e for e in entries if len(e) == 3):
+        if controllers == "":
+            paths[("memory.max", "")] = path
+        elif "memory" in controllers.split(","):
+            paths[("memory.limit_in_bytes", "memory")] = path
+    limits = []
+    for (name, mount), path in paths.items():
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts) + 1):
+            try:
+                with open(os.path.join(cgroup_root, mount, *parts[:depth], name)) as file:
+                    value = file.read().strip()
+            except OSError:
+                continue
+            if value.isdigit() and int(value) < 1 << 60:  # "max" (v2) or a huge number (v1): no limit
+                limits.append(int(value))
+    return min(limits, default=None)
+
+
+def default_host_budget(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Half of the host memory this process may use, shared by the processes on this node: the
+    smaller of physical memory and the container's limit (:func:`container_memory_limit`; pinned
+    memory counts against it, and a container past it is killed before any budget check runs),
+    divided by ``LOCAL_WORLD_SIZE`` (torchrun sets it; 1 when unset)."""
     raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
     local = int(raw) if raw.strip().isdigit() else 0
     if local < 1:
@@ -139,7 +169,8 @@ def default_host_budget() -> int:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         physical = 16 << 30
-    return physical // 2 // local
+    limit = container_memory_limit(cgroup_root)
+    return min(physical, limit if limit is not None else physical) // 2 // local
 
 
 def host_buffer_bytes(nbytes: int) -> int:

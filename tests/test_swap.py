@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import time
 import warnings
 import weakref
@@ -36,7 +37,16 @@ from torch import nn
 import hyperac
 from hyperac import ConfigError, HyperACWarning
 from hyperac.backends.sim import SimBackend, SimRaceError
-from hyperac.swap import HostPool, SwapGroup, SwapManager, SwapStats, current_group, live_group_count
+from hyperac.swap import (
+    HostPool,
+    SwapGroup,
+    SwapManager,
+    SwapStats,
+    container_memory_limit,
+    current_group,
+    default_host_budget,
+    live_group_count,
+)
 
 SIM = dict(backend="sim", min_swap_bytes=0)
 
@@ -1044,6 +1054,25 @@ def test_pool_serves_from_larger_buffers_and_evicts_idle_ones_on_pressure():
     pool.release(small)
     assert pool.acquire(3000).numel() == 4096  # the idle 1024 buffers are evicted for it
     assert pool.allocated_bytes == 4096 and pool.allocations == 5 and not any(pool._free.values())
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_default_host_budget_is_bounded_by_the_container_limit(tmp_path, monkeypatch, version):
+    """A fake cgroup root (v2 ``memory.max`` or v1 ``memory/memory.limit_in_bytes``) with a limit
+    below physical memory bounds the default budget; "max" and v1's huge "unlimited" do not."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    folder = tmp_path / ("memory" if version == "v1" else "")
+    folder.mkdir(exist_ok=True)
+    file = folder / ("memory.limit_in_bytes" if version == "v1" else "memory.max")
+    file.write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    assert container_memory_limit(str(tmp_path)) is None
+    assert default_host_budget(str(tmp_path)) == physical // 2
+    file.write_text(f"{1 << 30}\n")
+    assert container_memory_limit(str(tmp_path)) == 1 << 30
+    assert default_host_budget(str(tmp_path)) == min(physical, 1 << 30) // 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_host_budget(str(tmp_path)) == min(physical, 1 << 30) // 8
 
 
 class InPlaceBlock(Block):
