@@ -645,6 +645,14 @@ class SwapManager:
         ``offload=False`` (the model's last swapping layer) keeps them on the device;
         ``saved_tensors=False`` swaps only what a selective policy registers with the group.
         """
+        if self.backend.is_capturing():
+            # A graph replays device work only: the pinned allocations, events and Python
+            # bookkeeping of a swap would not happen again at replay.
+            raise ConfigError(
+                f"swap cannot run while the {self.backend.name} stream is capturing a graph (CUDA graphs, "
+                "torch.compile mode='reduce-overhead'): a replay would not redo its host copies. Capture a model "
+                "applied without swap (mode='full' or 'selective', swap_inputs=False)."
+            )
         previous = self._last() if self._last is not None else None
         group = SwapGroup(self, previous, offload)
         token = _current_group.set(group)

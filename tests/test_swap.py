@@ -996,6 +996,15 @@ def test_model_on_a_device_that_is_not_current():
     assert manager(model).copy_stream().device == 0
 
 
+def test_swap_during_graph_capture_is_refused(net):
+    model = swapped(net, mode="swap")
+    with manager(model).backend.capturing(), pytest.raises(ConfigError, match="capturing a graph.*without swap"):
+        net_loss()(model)
+    assert live_group_count() == 0
+    loss_fn = net_loss()
+    assert_parity(train_step(copy.deepcopy(net), loss_fn), train_step(model, loss_fn))  # fine after it
+
+
 # --- Budget, in-place changes, odd tensors ---
 
 
