@@ -101,7 +101,8 @@ class SwapStats:
     skipped: Counter = dataclasses.field(default_factory=Counter)
     """Tensors kept on the device, by reason: ``small``, ``parameter``, ``not_on_device``,
     ``subclass``, ``layout`` (sparse, nested, quantized, or a lazy conjugate/negative view: a
-    rebuilt plain tensor would lose that), ``last_layer``, ``budget``, ``modified``, ``shared``
+    rebuilt plain tensor would lose that), ``format`` (storage in a device-private layout, such
+    as an NPU's FRACTAL_NZ: NOTE [NPU internal formats]), ``last_layer``, ``budget``, ``modified``, ``shared``
     (still held outside the layer: a kept op output found so when the layer ends, or a saved
     storage found still alive when its group loads; those leave ``offloaded_*`` then)."""
     waits: int = 0
@@ -634,6 +635,15 @@ class SwapManager:
         reason = swap_ineligible(tensor, self.backend.device_type)
         if reason is None and tensor.untyped_storage().nbytes() < self.min_swap_bytes:
             return "small"
+        layout = self.backend.internal_format(tensor) if reason is None else None
+        if layout is not None:
+            warn_once(
+                f"a {list(tensor.shape)} tensor saved for backward is in the {self.backend.name} internal format "
+                f"{layout}; swap copies raw storage bytes, which would come back read as plain layout, so it stays "
+                "on the device (skipped as 'format'). Cast it to the plain format (torch_npu.npu_format_cast(t, 2)) "
+                "before it is saved to swap it.", self.warned,
+            )
+            return "format"
         return reason
 
     def run_layer(

@@ -34,7 +34,9 @@ from hyperac.backends import NullEvent, NullStream, registry
 from hyperac.backends.cpu import CpuBackend
 from hyperac.backends.cuda import CudaBackend
 from hyperac.backends.npu import NpuBackend
+from hyperac.errors import HyperACWarning
 from hyperac.policy import resolve_op_sets
+from hyperac.swap import SwapGroup, SwapManager
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (this torch build or machine has none)"
@@ -267,6 +269,14 @@ def _define_stand_in_npu_ops() -> None:
     def npu_mm_all_reduce_base(x1: torch.Tensor, x2: torch.Tensor, hcom: str) -> torch.Tensor:
         return x1 @ x2
 
+    @torch.library.custom_op("npu::get_npu_format", mutates_args=())
+    def get_npu_format(tensor: torch.Tensor) -> int:
+        return _NPU_FORMATS.get(tensor.untyped_storage().data_ptr(), 2)  # ND unless a test set another
+
+
+_NPU_FORMATS: dict[int, int] = {}
+"""The stand-in ``npu::get_npu_format``'s answer by storage address (``torch_npu.Format`` codes)."""
+
 
 @pytest.fixture(scope="module")
 def npu_ops():
@@ -294,6 +304,36 @@ class _AttentionBlock(nn.Module):
         q, k, v = self.qkv(self.norm(x)).view(batch, seq, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
         attn = torch.ops.npu.npu_fusion_attention(q, k, v, self.heads, "BNSD", head_dim**-0.5)[0]
         return x + self.out(attn.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class _NpuOnCpu(NpuBackend):
+    """The NPU backend whose device tensors are the stand-in's CPU tensors (no NPU here)."""
+
+    @property
+    def device_type(self) -> str:
+        return "cpu"
+
+
+def test_npu_internal_format_stays_on_device_and_is_named(npu_ops):
+    """The stand-in ``npu::get_npu_format`` (a ``torch.library`` op; torch_npu cannot be installed
+    here) reports FRACTAL_NZ for one tensor: swap keeps it on the device, says why once, and
+    swaps the plain one."""
+    manager = SwapManager(_NpuOnCpu(), min_swap_bytes=0, host_budget_bytes=1 << 20)
+    nz, plain, odd = torch.randn(16, 16), torch.randn(16, 16), torch.randn(4)
+    _NPU_FORMATS[nz.untyped_storage().data_ptr()] = 29
+    _NPU_FORMATS[odd.untyped_storage().data_ptr()] = 41
+    try:
+        with pytest.warns(HyperACWarning, match=r"\[16, 16\] tensor .* npu internal format FRACTAL_NZ.*stays on the "
+                          r"device.*npu_format_cast\(t, 2\)"):
+            assert manager.ineligible(nz) == "format"
+        assert manager.ineligible(plain) is None
+        assert manager.ineligible(odd) == "format"
+        assert _NpuOnCpu().internal_format(odd) == "format 41"
+        group = SwapGroup(manager, None, offload=True)
+        assert group.pack(nz).entry is None and group.pack(plain).entry is not None
+        assert manager.stats.skipped == {"format": 1}
+    finally:
+        _NPU_FORMATS.clear()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -176,6 +176,11 @@ class Backend:
     def supports_pinned_memory(self) -> bool:
         return False
 
+    def internal_format(self, tensor: torch.Tensor) -> str | None:
+        """The name of the device-private layout ``tensor``'s storage bytes are in (an NPU's
+        FRACTAL_NZ), or ``None`` when they are the plain strided layout a copy of them keeps."""
+        return None
+
     def host_empty(self, like: torch.Tensor, pinned: bool = True) -> torch.Tensor:
         """An uninitialised host tensor shaped like ``like``; pinned when asked and supported."""
         pin = pinned and self.supports_pinned_memory()

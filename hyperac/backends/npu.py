@@ -31,6 +31,13 @@ _NPU_COMMUNICATION_OPS = (
 )
 
 
+# ``torch_npu.Format`` codes whose storage is the plain layout; every other one is an internal format.
+_NPU_PLAIN_FORMATS = {-1: "UNDEFINED", 0: "NCHW", 1: "NHWC", 2: "ND", 30: "NCDHW"}
+_NPU_INTERNAL_FORMATS = {3: "NC1HWC0", 4: "FRACTAL_Z", 29: "FRACTAL_NZ", 32: "NDC1HWC0", 33: "FRACTAL_Z_3D"}
+# Where torch_npu registers its format query (``aten::`` in older releases).
+_NPU_FORMAT_QUERY = ("npu::get_npu_format", "aten::get_npu_format")
+
+
 @register_backend
 class NpuBackend(DeviceModuleBackend):
     """Ascend NPUs through ``torch_npu``; probed before CUDA by ``backend="auto"`` because
@@ -57,3 +64,15 @@ class NpuBackend(DeviceModuleBackend):
 
     def communication_ops(self) -> frozenset:
         return resolve_ops(_GENERIC_COMMUNICATION_OPS + _NPU_COMMUNICATION_OPS)
+
+    def internal_format(self, tensor: torch.Tensor) -> str | None:
+        """NOTE [NPU internal formats]
+        torch_npu may keep a tensor's storage in a private layout (FRACTAL_NZ for matmul
+        operands, NC1HWC0 for convolutions) while its sizes and strides describe the plain one.
+        Swap copies raw storage bytes and rebuilds tensors from sizes and strides, so such a
+        tensor would come back read as plain layout: it stays on the device instead."""
+        query = next(iter(resolve_ops(_NPU_FORMAT_QUERY)), None)
+        if query is None:
+            return None
+        code = int(query(tensor))
+        return None if code in _NPU_PLAIN_FORMATS else _NPU_INTERNAL_FORMATS.get(code, f"format {code}")
