@@ -10,12 +10,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import pickle
 
 import pytest
+import torch
 from hyperac_testing import assert_parity, kv_cache_disabled, lm_loss, measure, tiny_llama, train_step
 
 import hyperac
+from hyperac.backends import base
+from hyperac.backends.base import HOST_LINK_ENV, DeviceModuleBackend
 from hyperac.backends.sim import SimBackend
 from hyperac.errors import ConfigError
 from hyperac.measure import PeakMeter
@@ -231,3 +235,31 @@ def test_a_plan_swapping_recomputed_inputs_round_trips(model, loss_fn):
         backend.synchronize()
         offloaded.append(hyperac.swap_stats(applied).offloaded_bytes)
     assert offloaded[0] == offloaded[1] > 0
+
+
+def test_host_link_bandwidth_is_measured_once_per_device_and_overridable(model, loss_fn, monkeypatch):
+    """A device-module backend measures its link once per process and device (here one whose device
+    is the CPU, with pageable host memory: the CPU has no pinned memory in this torch build); the
+    environment variable overrides every backend's figure, also in the plan's estimate."""
+
+    class CpuLink(DeviceModuleBackend):
+        name = "cpu"
+
+        def supports_pinned_memory(self) -> bool:
+            return False
+
+    monkeypatch.delenv(HOST_LINK_ENV, raising=False)
+    monkeypatch.setattr(base, "_MEASURED_LINKS", {})
+    measured = CpuLink().host_link_bandwidth(torch.device("cpu"))
+    assert 0 < measured < math.inf
+    assert CpuLink().host_link_bandwidth(torch.device("cpu")) == measured  # not measured again
+    assert list(base._MEASURED_LINKS) == [("cpu", None)]
+    assert SimBackend(FAST_LINK).host_link_bandwidth() == FAST_LINK
+    assert SimBackend().host_link_bandwidth() == math.inf
+    monkeypatch.setenv(HOST_LINK_ENV, "2.5e9")
+    assert CpuLink().host_link_bandwidth() == SimBackend(FAST_LINK).host_link_bandwidth() == 2.5e9
+    assert hyperac.estimate(model, loss_fn, backend=SimBackend(FAST_LINK), min_swap_bytes=0).link_bandwidth == 2.5e9
+    monkeypatch.setenv(HOST_LINK_ENV, "fast")
+    with pytest.raises(ConfigError, match=r"HYPERAC_HOST_LINK_BANDWIDTH='fast' must be a positive number.*25e9"):
+        SimBackend().host_link_bandwidth()
+

@@ -13,12 +13,35 @@ package. Op handles are resolved when asked for, never at import, so ops registe
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["Backend", "DeviceModuleBackend", "NullEvent", "NullStream", "resolve_ops"]
+from ..errors import ConfigError
+
+__all__ = ["HOST_LINK_ENV", "Backend", "DeviceModuleBackend", "NullEvent", "NullStream", "host_link_override",
+           "resolve_ops"]
+
+HOST_LINK_ENV = "HYPERAC_HOST_LINK_BANDWIDTH"
+"""Environment variable: the host link's bytes/s, one way (``25e9``), instead of a measurement."""
+
+
+def host_link_override() -> float | None:
+    """The bytes/s set by :data:`HOST_LINK_ENV`, or ``None`` when it is unset."""
+    raw = os.environ.get(HOST_LINK_ENV)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ConfigError(f"{HOST_LINK_ENV}={raw!r} must be a positive number of bytes per second, e.g. 25e9; "
+                          "unset it to measure the link.")
+    return value
 
 
 def resolve_ops(qualified_names: Iterable[str]) -> frozenset:
@@ -176,6 +199,11 @@ class Backend:
     def supports_pinned_memory(self) -> bool:
         return False
 
+    def host_link_bandwidth(self, device: torch.device | None = None) -> float | None:
+        """Bytes/s, one way, between pinned host memory and ``device``, for costing swap copies;
+        ``None`` where unknown. :data:`HOST_LINK_ENV` overrides it."""
+        return host_link_override()
+
     def internal_format(self, tensor: torch.Tensor) -> str | None:
         """The name of the device-private layout ``tensor``'s storage bytes are in (an NPU's
         FRACTAL_NZ), or ``None`` when they are the plain strided layout a copy of them keeps."""
@@ -212,6 +240,10 @@ class Backend:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+_MEASURED_LINKS: dict[tuple[str, int | None], float] = {}
+"""Host link bytes/s by (backend name, device index): a property of the machine, measured once."""
+
+
 class DeviceModuleBackend(Backend):
     """A backend whose streams, events and statistics come from ``torch.<name>``.
 
@@ -242,6 +274,27 @@ class DeviceModuleBackend(Backend):
 
     def is_capturing(self, device: torch.device | None = None) -> bool:
         return bool(self._module().is_current_stream_capturing())
+
+    def host_link_bandwidth(self, device: torch.device | None = None) -> float | None:
+        """Measured once per process and device: 32 MiB copied to the device and back from
+        pinned memory, three times after a warm-up (about 10 ms on PCIe Gen4)."""
+        override = host_link_override()
+        if override is not None:
+            return override
+        device = torch.device(self.name, self._module().current_device()) if device is None else device
+        key = (self.name, device.index)
+        if key not in _MEASURED_LINKS:
+            host = self.host_empty(torch.empty(32 << 20, dtype=torch.uint8, device="meta"), pinned=True)
+            on_device = torch.empty_like(host, device=device)
+            times = []
+            for _ in range(4):
+                start = time.perf_counter()
+                on_device.copy_(host, non_blocking=True)
+                host.copy_(on_device, non_blocking=True)
+                self.synchronize(device)
+                times.append(time.perf_counter() - start)
+            _MEASURED_LINKS[key] = 2 * host.numel() / min(times[1:])
+        return _MEASURED_LINKS[key]
 
     def synchronize(self, device: torch.device | None = None) -> None:
         self._module().synchronize(device)

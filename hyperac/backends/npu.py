@@ -75,4 +75,4 @@ class NpuBackend(DeviceModuleBackend):
         if query is None:
             return None
         code = int(query(tensor))
-        return None if code in _NPU_PLAIN_FORMATS else _NPU_INTERNAL_FORMATS.get(code, f"format {code}")
+        return None if code in _NPU_PLAIN_FORMATS else _NPU_INTERNAL_FORMATS.get(code, f"code {code}")

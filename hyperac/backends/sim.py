@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -53,7 +54,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from .base import Backend
+from .base import Backend, host_link_override
 from .registry import register_backend
 
 __all__ = ["SimBackend", "SimEvent", "SimRaceError", "SimStream"]
@@ -348,6 +349,11 @@ class SimBackend(Backend):
 
     def is_capturing(self, device: torch.device | None = None) -> bool:
         return _CAPTURING.get()
+
+    def host_link_bandwidth(self, device: torch.device | None = None) -> float:
+        """``link_bandwidth`` (instant: infinite) unless ``HYPERAC_HOST_LINK_BANDWIDTH`` is set."""
+        override = host_link_override()
+        return override if override is not None else self.link_bandwidth or math.inf
 
     def new_stream(self, device: torch.device | None = None) -> SimStream:
         stream = SimStream(self._index(device), f"side stream {len(self._streams) + 1}", bandwidth=self.link_bandwidth)

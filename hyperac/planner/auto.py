@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..backends.base import host_link_override
 from ..budget import parse_budget
 from ..discovery import Layer
 from .attention import fused_attention_on_meta
@@ -60,21 +60,22 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
             rounds=0 if on_meta else TIMED_ROUNDS, synchronize=backend.synchronize,
         )
     if not on_meta:
+        first = next(iter(model.parameters()), None)
         return build_estimate(layers, profiles, timing=f"measured on {backend.name}",
-                              link_bandwidth=_link_bandwidth(backend))
+                              link_bandwidth=_link_bandwidth(backend, None if first is None else first.device))
     profile = device_profile(device or "cpu")
     host = host_costs(torch.device("cpu"), runner)
     return build_estimate(layers, profiles, profile, host,
                           timing=f"roofline on {profile.name}, host {describe(host)}",
-                          link_bandwidth=profile.host_link_bandwidth)
+                          link_bandwidth=host_link_override() or profile.host_link_bandwidth)
 
 
-def _link_bandwidth(backend: Any) -> float:
-    """The host link's bytes/s for swap copies: the backend's own figure where it has one (``sim``:
-    ``link_bandwidth``, ``None`` meaning instant), else the slowest link of the device profiles."""
-    if hasattr(backend, "link_bandwidth"):
-        return backend.link_bandwidth or math.inf
-    return min(profile.host_link_bandwidth for profile in DEVICES.values())
+def _link_bandwidth(backend: Any, device: torch.device | None) -> float:
+    """The host link's bytes/s for swap copies: the backend's figure for ``device`` where it has
+    one (measured once per process and device; ``HYPERAC_HOST_LINK_BANDWIDTH`` overrides it), else
+    the slowest link of the device profiles."""
+    measured = backend.host_link_bandwidth(device) if backend.can_swap else None
+    return measured if measured is not None else min(profile.host_link_bandwidth for profile in DEVICES.values())
 
 
 def plan_swaps(modes: Sequence[str], offloads: Sequence[bool]) -> tuple[list[str], list[bool]]:
