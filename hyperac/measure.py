@@ -235,22 +235,24 @@ class PeakMeter(TorchDispatchMode):
         super().__init__()
         self.parameters = list(parameters)
         self.backend = backend if backend is not None and getattr(backend, "has_memory_stats", False) else None
+        # The allocator statistics of the parameters' device, not of whichever device is current.
+        self.device = self.parameters[0].device if self.parameters else None
         self.timeline = StorageTimeline()
         self.peak_bytes: int | None = None
         self._baseline = 0
 
     def __enter__(self) -> PeakMeter:
         if self.backend is not None:
-            self.backend.synchronize()
-            self.backend.reset_peak_memory_stats()
-            self._baseline = self.backend.memory_allocated()
+            self.backend.synchronize(self.device)
+            self.backend.reset_peak_memory_stats(self.device)
+            self._baseline = self.backend.memory_allocated(self.device)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
         result = super().__exit__(*exc)
         if self.backend is not None:
-            self.backend.synchronize()
-            self.peak_bytes = self.backend.max_memory_allocated() - self._baseline
+            self.backend.synchronize(self.device)
+            self.peak_bytes = self.backend.max_memory_allocated(self.device) - self._baseline
         else:
             self.peak_bytes = max(self.timeline.live_bytes(self.timeline.ids(gradients(self.parameters))), default=0)
         return result

@@ -35,6 +35,7 @@ from hyperac.backends.cpu import CpuBackend
 from hyperac.backends.cuda import CudaBackend
 from hyperac.backends.npu import NpuBackend
 from hyperac.errors import HyperACWarning
+from hyperac.measure import PeakMeter
 from hyperac.policy import resolve_op_sets
 from hyperac.swap import SwapGroup, SwapManager
 
@@ -304,6 +305,24 @@ class _AttentionBlock(nn.Module):
         q, k, v = self.qkv(self.norm(x)).view(batch, seq, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
         attn = torch.ops.npu.npu_fusion_attention(q, k, v, self.heads, "BNSD", head_dim**-0.5)[0]
         return x + self.out(attn.transpose(1, 2).reshape(batch, seq, dim))
+
+
+def test_npu_device_of_the_tensor_reaches_the_device_module(stand_in_npu):
+    """torch_npu is a stand-in (it cannot be installed here): streams, waits, synchronize and the
+    statistics a PeakMeter reads are asked for the tensors' device, not the current one."""
+    backend = hyperac.get_backend("npu")
+    stand_in_npu.calls.clear()
+    other = torch.device("cpu", 1)  # "npu" is not a device type without torch_npu
+    backend.new_stream(other)
+    backend.current_stream(other)
+    parameter = torch.zeros(1)  # a stand-in NPU tensor lives on the CPU
+    with PeakMeter([parameter], backend=backend):
+        pass
+    assert stand_in_npu.calls == [
+        ("Stream", "cpu:1"), ("current_stream", "cpu:1"),
+        ("synchronize", "cpu"), ("reset_peak_memory_stats", "cpu"), ("memory_allocated", "cpu"),
+        ("synchronize", "cpu"), ("max_memory_allocated", "cpu"),
+    ]
 
 
 class _NpuOnCpu(NpuBackend):
