@@ -552,9 +552,8 @@ class SwapGroup:
                     self._start_backward()
             return saved.tensor
         with _quiet():
-            self.ensure_loaded()  # on every unpack: a stream that has not waited for the load waits
-        if saved.rebuilt is None:
-            with _quiet():
+            self._ensure_loaded()  # on every unpack: a stream that has not waited for the load waits
+            if saved.rebuilt is None:
                 storage = saved.entry.device_bytes.untyped_storage()
                 saved.rebuilt = torch.empty(0, dtype=saved.dtype, device=storage.device).set_(
                     storage, saved.offset, saved.size, saved.stride

@@ -141,6 +141,12 @@ def manager(model) -> SwapManager:
     return model.__dict__["_hyperac_state"].swap
 
 
+def checked_step(model, loss_fn):
+    """``train_step`` with every op of forward and backward checked against the sim's copies."""
+    with manager(model).backend.computing():
+        return train_step(model, loss_fn)
+
+
 def grads(model):
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
@@ -447,8 +453,8 @@ def test_module_called_twice(plan, order):
     loss_fn = net_loss()
     reference = train_step(copy.deepcopy(base), loss_fn)
     model = swapped(base, **PLANS[plan])
-    for _ in range(2):
-        assert_parity(reference, train_step(model, loss_fn))
+    for _ in range(2):  # every op checked against the copies (tests/test_swap_device.py does so for each plan)
+        assert_parity(reference, checked_step(model, loss_fn))
     assert_round_trip(model)
 
 
@@ -836,15 +842,21 @@ def test_sim_copy_lands_only_when_its_event_is_waited_on():
     assert torch.equal(plain, source)
 
 
+def side_copy(backend, destination, source):
+    """Queue ``destination <- source`` on a new side stream ordered after compute; return the stream."""
+    stream = backend.new_stream()
+    stream.wait_stream(backend.current_stream())
+    with backend.use_stream(stream):
+        backend.copy_(destination, source)
+    return stream
+
+
 def test_sim_copy_holds_neither_end_alive():
     """As on a GPU: a source freed before the copy lands gives garbage, a destination freed before
     it lands is a write into freed memory (recorded as a fault)."""
     backend = hyperac.get_backend("sim")
-    stream = backend.new_stream()
     source, destination = torch.arange(4.0), torch.zeros(4)
-    stream.wait_stream(backend.current_stream())
-    with backend.use_stream(stream):
-        backend.copy_(destination, source)
+    stream = side_copy(backend, destination, source)
     del source
     stream.synchronize()
     assert destination.isnan().all()
@@ -896,33 +908,12 @@ def test_a_missing_wait_is_caught(net, plan, monkeypatch):
     assert any(not torch.equal(broken[name], grad) for name, grad in reference[1].items())
 
 
-def checked_step(model, loss_fn):
-    """``train_step`` with every op of forward and backward checked against the sim's copies."""
-    with manager(model).backend.computing():
-        return train_step(model, loss_fn)
-
-
-@pytest.mark.parametrize("plan", CORE_PLANS)
-def test_every_compute_read_is_ordered_after_its_copy(net, plan):
-    """Under the sim's checking mode each op's reads and writes of a buffer a copy touched are
-    checked against that copy: a step raises nothing and stays exact."""
-    loss_fn = net_loss()
-    reference = train_step(copy.deepcopy(net), loss_fn)
-    model = swapped(net, **PLANS[plan])
-    for _ in range(2):
-        assert_parity(reference, checked_step(model, loss_fn))
-    assert_round_trip(model)
-
-
 def test_compute_read_before_the_load_is_waited_names_both_ops():
     backend = hyperac.get_backend("sim")
-    side = backend.new_stream()
     source, destination = torch.arange(4.0), torch.zeros(4)
-    side.wait_stream(backend.current_stream())
-    with backend.use_stream(side):
-        backend.copy_(destination, source)
-        done = backend.new_event()
-        done.record()
+    side = side_copy(backend, destination, source)
+    done = backend.new_event()
+    done.record(side)
     with pytest.raises(SimRaceError, match=r"aten.add.Tensor \(compute\) on sim:0 compute reads a buffer that "
                        r"copy #1 on sim:0 side stream \d+ writes"), backend.computing():
         destination + 1
