@@ -102,9 +102,10 @@ class SwapStats:
     """Tensors kept on the device, by reason: ``small``, ``parameter``, ``not_on_device``,
     ``subclass``, ``layout`` (sparse, nested, quantized, or a lazy conjugate/negative view: a
     rebuilt plain tensor would lose that), ``format`` (storage in a device-private layout, such
-    as an NPU's FRACTAL_NZ: NOTE [NPU internal formats]), ``last_layer``, ``budget``, ``modified``, ``shared``
-    (still held outside the layer: a kept op output found so when the layer ends, or a saved
-    storage found still alive when its group loads; those leave ``offloaded_*`` then)."""
+    as an NPU's FRACTAL_NZ: NOTE [NPU internal formats]), ``last_layer``, ``budget``,
+    ``modified``, ``shared`` (still held outside the layer: a kept op output found so when the
+    layer ends, or a saved storage found still alive when its group loads; those leave
+    ``offloaded_*`` then)."""
     waits: int = 0
     wait_seconds: float | None = None
     """Time the compute stream waited on copies, where the backend can time it."""
@@ -511,7 +512,7 @@ class SwapGroup:
             return
         entries = list(self.entries.values())
         self.load_event = self._copy([(entry.device_bytes, entry.host[: entry.nbytes]) for entry in entries])
-        manager.stats.reloaded_bytes += sum(entry.nbytes for entry in self.entries.values())
+        manager.stats.reloaded_bytes += sum(entry.nbytes for entry in entries)
         self.state = "loading"
 
     def ensure_loaded(self) -> None:

@@ -9,15 +9,17 @@ wrong numbers or a named :class:`SimRaceError` in a CPU test instead of a rare r
   lands only when a stream that runs on the host (compute) or the host itself waits on an event
   recorded after it, or the stream is synchronized. It reads its source and writes its
   destination when it lands.
-- **Who waited on what.** A stream knows the position of another stream only through an event it
-  waited on (``stream.wait_event``, ``event.wait(stream)``, ``wait_stream``); a wait on the wrong
-  stream, or a stream waiting on its own event, orders nothing. Device-side waits (a stream waits)
+- **Who waited on what.** A stream knows the position of another stream only through an event of
+  that stream it waited on (``stream.wait_event``, ``event.wait(stream)``, ``wait_stream``); a wait
+  on the wrong stream, or a stream waiting on its own event, orders nothing. Unlike on a GPU,
+  ordering is not transitive (A waited on B, which waited on C, does not order A after C): the
+  sim is stricter, and cheap with many streams alive. Device-side waits (a stream waits)
   and host-side completion (``event.synchronize``, ``synchronize``) are distinct.
 - **Every access is checked.** A side-stream copy of device memory must be ordered after the
   compute work issued before it (the last event recorded on compute, or compute's last wait); a
   read of a buffer that a copy wrote, and a write of a buffer that a copy reads, must be ordered
-  after that copy on the stream that does it. Compute's accesses are checked in
-  :meth:`SimBackend.checking` (a dispatch mode: wrap forward and backward) and by
+  after that copy on the stream that does it. Compute's accesses are checked inside
+  :meth:`SimBackend.computing` (a dispatch mode: wrap forward and backward) and by
   :meth:`SimBackend.check_read`. A violation raises :class:`SimRaceError` naming both ops.
 - **The caching allocator.** A copy holds neither end alive, as a GPU copy does not keep memory
   from the caching allocator: memory freed on compute is reused at once by compute unless the
@@ -74,7 +76,6 @@ class SimStream:
     def __init__(self, device: int, name: str, compute: bool = False, bandwidth: float | None = None) -> None:
         self.device, self.name, self.compute, self.bandwidth = device, name, compute, bandwidth
         self.issued = 0  # position of the last op issued on this stream
-        self.landed = 0  # side streams: copies up to here have landed
         self.seen: weakref.WeakKeyDictionary[SimStream, int] = weakref.WeakKeyDictionary()
         # (position, when it is done, the work, the side-stream positions it is ordered after)
         self.pending: collections.deque[tuple[int, float, Callable[[], None], list]] = collections.deque()
@@ -97,13 +98,14 @@ class SimStream:
         done = 0.0
         if self.bandwidth:
             done = self.busy_until = max(time.perf_counter(), self.busy_until) + nbytes / self.bandwidth
-        after = [(other, position) for other, position in self.seen.items() if not other.compute]
+        after = [(other, position) for other, position in self.seen.items()
+                 if other.pending and other.pending[0][0] <= position]
         self.pending.append((ticket, done, work, after))
         return ticket
 
     def run_until(self, ticket: int) -> None:
         while self.pending and self.pending[0][0] <= ticket:
-            self.landed, done, work, after = self.pending.popleft()
+            _, done, work, after = self.pending.popleft()
             for other, position in after:  # what it was ordered after lands first
                 other.run_until(position)
             _busy_wait(done)
@@ -147,11 +149,9 @@ class SimEvent:
         if waiter is self.stream:
             return  # a stream waiting on its own event: orders nothing
         waiter.seen[self.stream] = max(waiter.seen.get(self.stream, 0), self.ticket)
-        for other, position in list(self.stream.seen.items()):  # ordering is transitive
-            if other is not waiter:
-                waiter.seen[other] = max(waiter.seen.get(other, 0), position)
+        if waiter.compute:
+            waiter.issue()  # what compute issues from now on comes after the wait
         if waiter.compute or waiter is _current_stream(waiter.device):  # it runs on the host: land now
-            waiter.issue()
             self.stream.run_until(self.ticket)
 
     def query(self) -> bool:
@@ -335,8 +335,6 @@ class SimBackend(Backend):
     def computing(self) -> contextlib.AbstractContextManager:
         """Check compute's accesses while this is active; ops take at least ``seconds_per_op``."""
         return _Computing(self.seconds_per_op)
-
-    checking = computing
 
     @contextlib.contextmanager
     def capturing(self):
