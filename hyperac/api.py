@@ -16,7 +16,8 @@ from .backends import Backend, get_backend
 from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
-from .plan import LayerPlan, Plan, assign_modes, reversible_note
+from .layer_modes import assign_modes, reversible_note
+from .plan import LayerPlan, Plan
 from .planner import (
     Estimate,
     auto_modes,

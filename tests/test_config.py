@@ -84,9 +84,9 @@ CONFIG_ERRORS = [
     (dict(layers={}), r"Config\.layers is an empty mapping"),
     (dict(layers=["model.layers", "model.layers"]), r"Config\.layers lists a container path twice"),
     # per-layer mappings
-    (dict(layers={"0-3": "full", 2: "off"}), r"Config\.layers entries overlap: layers 0-3 and 2"),
+    (dict(layers={"0-3": "full", "2-5": "off"}), r"Config\.layers entries overlap: layers 0-3 and 2-5"),
     (dict(layers={"0-1": "full", "1-2": "off"}), r"Config\.layers entries overlap: layers 0-1 and 1-2"),
-    (dict(layers={"2-": "full", 3: "off"}), r"Config\.layers entries overlap: layers 2- and 3"),
+    (dict(layers={"2-": "full", "5-6": "off", 3: "off"}), r"Config\.layers entries overlap: layers 2- and 5-6"),
     (dict(layers={"3": "off", 3: "full"}), r"Config\.layers entries overlap: layers 3 and 3"),
     (dict(layers={"5-2": "full"}), r"Config\.layers range '5-2' ends before it starts"),
     (dict(layers={-1: "off"}), r"Config\.layers key -1 is negative"),
@@ -173,6 +173,10 @@ def test_errors_are_value_errors():
         ({"model.layers": {"0-1": False}}, ["off", "off", "full", "full"]),
         ({" 1 - 2 ": "off", "3": "selective"}, ["full", "off", "off", "selective"]),
         ({"0-0": "off", "1-": "selective"}, ["off", "selective", "selective", "selective"]),
+        # a single index inside a range overrides it there (design.md section 3), whatever the key order
+        ({"0-3": "selective", 2: "off"}, ["selective", "selective", "off", "selective"]),
+        ({3: "off", "1-": "selective"}, ["full", "selective", "selective", "off"]),
+        ({"0-1": "off", "2-": "selective", 0: "full", "3": "pointwise"}, ["full", "off", "selective", "pointwise"]),
         ("model.layers", ["full"] * 4),
         (["model.layers"], ["full"] * 4),
         (("model.layers",), ["full"] * 4),
