@@ -19,9 +19,9 @@ OLD_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".
 @pytest.mark.skipif(not OLD_TORCH, reason="this torch is one torchtitan 0.3 runs on")
 def test_import_refuses_a_torch_older_than_torchtitan_needs():
     """On torch 2.13 (the CPU env) the integration says so before torchtitan is imported at all."""
-    with pytest.raises(TorchVersionError, match=rf"torch {re.escape(torch.__version__)} is older than the torch 2\.14 that "
-                                                r"torchtitan 0\.3 needs.*pip install 'torch==2\.14\.1' "
-                                                r"'torchtitan==0\.3\.0'"):
+    pattern = (rf"torch {re.escape(torch.__version__)} is older than the torch 2\.14 that torchtitan 0\.3 needs.*"
+               r"pip install 'torch==2\.14\.1' 'torchtitan==0\.3\.0'")
+    with pytest.raises(TorchVersionError, match=pattern):
         importlib.import_module("hyperac.integrations.torchtitan")
 
 
