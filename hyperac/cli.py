@@ -223,7 +223,7 @@ def plan(args: argparse.Namespace) -> int:
     model, sample, described = _model_and_sample(args)
     print(f"estimating {described}, on the meta device, costed on {args.device}...", file=sys.stderr, flush=True)
     swap_options = {} if args.min_swap_bytes is None else {"min_swap_bytes": args.min_swap_bytes}
-    estimate = api.estimate(model, sample, backend="cpu", device=args.device, **swap_options)
+    estimate = api.estimate(model, sample, backend="cpu", device_profile=args.device, **swap_options)
     count = len(estimate.layers)
     off = estimate.peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)

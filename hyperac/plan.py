@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import ConfigError
@@ -70,19 +70,22 @@ class Plan:
     """``mode="auto"``: the budget it was chosen for."""
 
     @classmethod
-    def from_dict(cls, data: Any) -> Plan:
-        """Rebuild a plan from :meth:`to_dict` output (e.g. read back from JSON or YAML)."""
-        try:
-            layers = tuple(
-                LayerPlan(**{**layer, "recomputed": tuple(layer.get("recomputed", ())),
-                             "excluded": tuple(layer.get("excluded", ()))})
-                for layer in data["layers"]
-            )
-            fields = {k: data[k] for k in _PREDICTIONS if k in data}
-            return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
-                       notes=tuple(data.get("notes", ())), **fields)
-        except (KeyError, TypeError) as error:
-            raise ConfigError(f"Config.plan is not a plan dict (as Plan.to_dict() writes it): {error}") from None
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` output (e.g. read back from JSON or YAML).
+
+        Raises:
+            ConfigError: naming the first key or layer entry that is missing or wrong.
+        """
+        shape = "as Plan.to_dict() or `hyperac plan --output` writes it: {'backend': ..., 'layers': [{'index': 0, " \
+                "'fqn': 'model.layers.0', 'mode': 'full', ...}, ...]}"
+        for key, kind, name in (("backend", str, "string"), ("layers", (list, tuple), "list")):
+            if not isinstance(data.get(key), kind):
+                raise ConfigError(f"Config.plan is not a plan dict: {key!r} is missing or not a {name} (keys: "
+                                  f"{sorted(map(str, data))}); give one {shape}.")
+        layers = tuple(_layer_from_dict(position, layer, shape) for position, layer in enumerate(data["layers"]))
+        fields = {k: data[k] for k in _PREDICTIONS if k in data}
+        return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
+                   notes=tuple(data.get("notes", ())), **fields)
 
     def count(self, mode: str) -> int:
         return sum(1 for layer in self.layers if layer.mode == mode)
@@ -130,6 +133,22 @@ class Plan:
             )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def _layer_from_dict(position: int, layer: Any, shape: str) -> LayerPlan:
+    where = f"Config.plan['layers'][{position}]"
+    if not isinstance(layer, Mapping):
+        raise ConfigError(f"{where} is a {type(layer).__name__}, not a dict; give a plan dict {shape}.")
+    known = {field.name for field in dataclasses.fields(LayerPlan)}
+    missing = sorted({"index", "fqn", "mode"} - set(layer))
+    unknown = sorted(set(map(str, layer)) - known)
+    if missing or unknown:
+        wrong = f"lacks {missing}" if missing else f"has unknown keys {unknown}"
+        raise ConfigError(f"{where} {wrong}; each layer has {sorted(known)} (index, fqn and mode required).")
+    if layer["mode"] not in MODE_LETTERS:
+        raise ConfigError(f"{where}['mode'] is {layer['mode']!r}; a layer's mode is one of {sorted(MODE_LETTERS)}.")
+    return LayerPlan(**{**layer, "recomputed": tuple(layer.get("recomputed", ())),
+                        "excluded": tuple(layer.get("excluded", ()))})
 
 
 def _describe_targets(layer: LayerPlan) -> str:

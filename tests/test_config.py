@@ -258,3 +258,90 @@ def test_config_equality():
 def test_replace_validates():
     with pytest.raises(ConfigError, match=r"Config\.compile .*got 'no'"):
         dataclasses.replace(Config(), compile="no")
+
+
+# ---------------------------------------------------------------------------------------------
+# messages a newcomer meets first
+
+
+def test_signature_shows_the_real_defaults():
+    """help(hyperac.apply) reads like the documentation: each keyword shows Config's default."""
+    signature = inspect.signature(hyperac.apply)
+    for field in dataclasses.fields(Config):
+        assert repr(signature.parameters[field.name].default) == repr(field.default), field.name
+    assert "object at 0x" not in str(signature)
+
+
+def test_a_keyword_equal_to_its_default_still_conflicts_with_config(model):
+    assert_apply_fails(model, r"pass either config= or keyword options, not both .*\['mode'\]",
+                       config=Config(), mode="full")
+
+
+def test_mode_passed_positionally_says_mode_equals(model):
+    assert_apply_fails(model, r"the second argument of apply is config=, got the mode 'full'; pass it by name: "
+                              r"hyperac\.apply\(model, mode='full'\)", config="full")
+
+
+@pytest.mark.parametrize(("budget", "expected"), [("50%", 500), ("12.5 %", 125), ("100%", 1000)])
+def test_budget_as_a_percentage(budget, expected):
+    from hyperac.budget import parse_budget
+
+    assert parse_budget(budget, 1000) == expected
+    Config(mode="auto", budget=budget, sample={"input_ids": None})
+
+
+@pytest.mark.parametrize("budget", ["0%", "150%", "-5%", "%", "50%%"])
+def test_budget_percentage_out_of_range(budget):
+    with pytest.raises(ConfigError, match=r"Config\.budget must be .*percentage like '50%'.*got"):
+        Config(mode="auto", budget=budget, sample={"input_ids": None})
+
+
+PLAN_LAYER = {"index": 0, "fqn": "model.layers.0", "mode": "full"}
+
+
+@pytest.mark.parametrize(("plan", "match"), [
+    ({"backend": "cpu"}, r"Config\.plan is not a plan dict: 'layers' is missing or not a list \(keys: \['backend'\]\)"),
+    ({"layers": []}, r"Config\.plan is not a plan dict: 'backend' is missing or not a string"),
+    ({"backend": "cpu", "layers": {"0": "full"}}, r"'layers' is missing or not a list"),
+    ({"backend": "cpu", "layers": ["full"]}, r"Config\.plan\['layers'\]\[0\] is a str, not a dict"),
+    ({"backend": "cpu", "layers": [{"index": 0, "mode": "full"}]}, r"Config\.plan\['layers'\]\[0\] lacks \['fqn'\]"),
+    ({"backend": "cpu", "layers": [{**PLAN_LAYER, "speed": 1}]}, r"\[0\] has unknown keys \['speed'\]"),
+    ({"backend": "cpu", "layers": [{**PLAN_LAYER, "mode": "fast"}]}, r"\[0\]\['mode'\] is 'fast'; a layer's mode is"),
+])
+def test_malformed_plan_dict(plan, match):
+    with pytest.raises(ConfigError, match=match):
+        Config(plan=plan)
+
+
+def test_no_repeated_layers_names_a_real_container_or_what_to_change():
+    from torch import nn
+
+    from hyperac import UnsupportedModelError
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.stack(x)
+
+    with pytest.raises(UnsupportedModelError, match=r"name the container: hyperac\.apply\(model, layers='stack'\) "
+                                                    r"\(containers it has: \['stack'\]\)\.$"):
+        hyperac.apply(Net())
+    with pytest.raises(UnsupportedModelError, match=r"the model itself is the Sequential of layers, which layers= "
+                                                    r"cannot name: hold it in a module"):
+        hyperac.apply(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    with pytest.raises(UnsupportedModelError, match=r"it holds no ModuleList, ModuleDict or Sequential of two or "
+                                                    r"more modules") as raised:
+        hyperac.apply(nn.Linear(4, 4))
+    assert "candidates" not in str(raised.value)
+
+
+def test_estimate_device_profile_only_for_meta_models(model):
+    import torch
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ConfigError, match=r"estimate\(device_profile='h100'\) costs a model on the meta device by a "
+                                          r"roofline, but this model is on 'cpu' and is timed where it runs"):
+        hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device_profile="h100")

@@ -926,14 +926,14 @@ def test_device_profiles_cost_a_meta_geometry():
         model = LlamaForCausalLM(config)
     ids = torch.zeros(4, 2048, dtype=torch.long, device="meta")
     sample = {"input_ids": ids, "labels": ids}
-    h100 = hyperac.estimate(model, sample, backend="cpu", device="h100")
-    a100 = hyperac.estimate(model, sample, backend="cpu", device="a100")
+    h100 = hyperac.estimate(model, sample, backend="cpu", device_profile="h100")
+    a100 = hyperac.estimate(model, sample, backend="cpu", device_profile="a100")
     for mode in ("off", "full"):
         assert a100.step_seconds([mode] * 2) > h100.step_seconds([mode] * 2)  # 312 vs 989 TFLOP/s
     assert h100.step_seconds(["full"] * 2) > h100.step_seconds(["off"] * 2)
     assert "roofline on h100" in h100.timing
     with pytest.raises(ConfigError, match="unknown device profile 'tpu'"):
-        hyperac.estimate(model, sample, backend="cpu", device="tpu")
+        hyperac.estimate(model, sample, backend="cpu", device_profile="tpu")
 
 
 def test_profiling_on_real_tensors_leaves_sdpa_and_global_hooks_alone(llama_batch, monkeypatch):
@@ -976,7 +976,7 @@ def test_concurrent_meta_profiles_restore_sdpa():
             with torch.device("meta"):
                 model = LlamaForCausalLM(config)
             ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
-            hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device="h100")
+            hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device_profile="h100")
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
