@@ -239,6 +239,16 @@ def apply(
             chosen_backend, _host_budget(config), config.min_swap_bytes)
     else:
         modes = assign_modes(found, config)
+    return _apply_modes(model, named_modules, found, modes, config, chosen_backend, planned_swaps, prediction)
+
+
+# NOTE [One installation path]: apply() decides each layer's mode (from a plan, the planner or
+# Config.layers), then _apply_modes installs them. The planner's profiling runner installs a uniform
+# mode through _apply_modes too, so apply() never runs inside itself while `mode="auto"` plans.
+def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], found: list[Layer], modes: list[str],
+                 config: Config, chosen_backend: Backend, planned_swaps: list[bool] | None,
+                 prediction: dict[str, Any]) -> Plan:
+    """Install ``modes`` (one per layer of ``found``) on ``model`` atomically; return the plan."""
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
@@ -327,9 +337,12 @@ def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
 
     def for_model(model: nn.Module, containers: list[str] | None) -> Callable[[str], Callable[[], None]]:
         def run(mode: str) -> Callable[[], None]:
+            config = Config(mode=mode, backend=backend, layers=containers, adapter=adapter)
+            named_modules = _check_model(model)
+            found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", HyperACWarning)
-                apply(model, mode=mode, backend=backend, layers=containers, adapter=adapter)
+                _apply_modes(model, named_modules, found, assign_modes(found, config), config, backend, None, {})
             return lambda: remove(model)
 
         return run

@@ -345,3 +345,22 @@ def test_estimate_device_profile_only_for_meta_models(model):
     with pytest.raises(ConfigError, match=r"estimate\(device_profile='h100'\) costs a model on the meta device by a "
                                           r"roofline, but this model is on 'cpu' and is timed where it runs"):
         hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device_profile="h100")
+
+
+def test_auto_plans_without_apply_calling_itself(model, monkeypatch):
+    """NOTE [One installation path] in api.py: the planner's profiling installs each uniform mode through the
+    same function apply uses, not through apply (which would re-enter itself while it plans)."""
+    import torch
+
+    from hyperac import api
+
+    calls = []
+    real_apply = api.apply
+    monkeypatch.setattr(api, "apply", lambda *args, **kwargs: calls.append(kwargs.get("mode")) or real_apply(
+        *args, **kwargs))
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    plan = api.apply(model, mode="auto", budget=0.9, sample={"input_ids": ids, "labels": ids}, backend="cpu")
+    try:
+        assert calls == ["auto"] and len(plan.layers) == 4
+    finally:
+        hyperac.remove(model)
