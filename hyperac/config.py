@@ -216,9 +216,10 @@ class Config:
     recomputed layers still follows ``swap_inputs``/``swap_selective_outputs`` (``swap`` layers swap)."""
 
     adapter: Any = None
-    """Recompute regions inside layers. ``None``: the adapter registered for the model's
-    ``model_type`` or architecture, if any. An :class:`hyperac.Adapter`, a registered name, or
-    ``"none"`` to recompute whole layers even when an adapter is registered."""
+    """Recompute regions inside layers. ``None`` (or ``"none"``): whole layers, whatever is
+    registered. An :class:`hyperac.Adapter`; a registered name; or ``"auto"``: the adapter
+    registered for the model's ``model_type``, architecture or class, if any (the registry is
+    consulted only when asked: NOTE [The registry is asked, never implied] in adapters.py)."""
 
     def __post_init__(self) -> None:
         if self.mode is False:  # YAML reads a bare `off` as False
@@ -242,7 +243,7 @@ class Config:
             )
         if not (self.adapter is None or isinstance(self.adapter, (str, Adapter))):
             raise ConfigError(
-                f"Config.adapter must be None, 'none', a registered adapter name or a hyperac.Adapter; "
+                f"Config.adapter must be None, 'none', 'auto', a registered adapter name or a hyperac.Adapter; "
                 f"got {self.adapter!r}."
             )
         object.__setattr__(self, "_layer_spec", parse_layers(self.layers))
