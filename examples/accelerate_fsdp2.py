@@ -1,13 +1,16 @@
 """Train a tiny Llama with accelerate's FSDP2 plugin and hyperac, one process per device.
 
-    accelerate launch --num_processes 2 examples/accelerate_fsdp2.py            # accelerator or CPU
-    torchrun --nproc_per_node=2 examples/accelerate_fsdp2.py --cpu --mode full   # the same with torchrun
+    accelerate launch --num_processes 2 examples/accelerate_fsdp2.py            # 2 accelerators
+    torchrun --nproc_per_node=2 examples/accelerate_fsdp2.py --cpu --mode full   # 2 processes on the CPU
 
 Order: ``hyperac.apply`` on the model first, then ``accelerator.prepare``, which calls
 ``fully_shard`` on each decoder layer and on the root (hyperac's override sits inside FSDP2's
 hooks, so the replay repeats no all-gather). Leave the plugin's ``activation_checkpointing`` off:
 hyperac does that part. On the CPU accelerate (1.15) ignores the FSDP plugin and runs its DDP path
 (``MULTI_CPU``: it enables FSDP only for accelerator devices); the order of calls is the same.
+On a machine without accelerators ``accelerate launch --num_processes 2`` starts one process
+(accelerate 1.15 launches several only for GPUs, or for CPUs through an MPI config): use the
+torchrun line there. The last line says how many processes ran.
 ``--check`` also trains an un-applied copy and prints the largest loss difference (0 expected).
 The model is built from a config (nothing is downloaded).
 """
@@ -65,7 +68,8 @@ def main() -> None:
     for step, loss in enumerate(losses):
         accelerator.print(f"step {step}: loss {loss:.4f}")
     layer = type(model.model.layers[0]).__name__
-    accelerator.print(f"distributed: {accelerator.distributed_type.value}, layers: {layer}")
+    accelerator.print(f"distributed: {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
+                      f"layers: {layer}")
     if reference is not None:
         expected = train(reference, accelerator, config.vocab_size, options.steps)
         accelerator.print(f"max loss difference without hyperac: {max(abs(a - b) for a, b in zip(losses, expected))}")

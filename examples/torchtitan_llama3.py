@@ -1,6 +1,6 @@
 """Train torchtitan's llama3 debug model with hyperac as its activation-recompute step, on the CPU.
 
-    pip install torchtitan            # torchtitan 0.3 wants a recent torch (2.14 here); use its own venv
+    pip install 'torch==2.14.1' 'torchtitan==0.3.0' -e .   # in a venv of their own (tox -e torchtitan)
     python examples/torchtitan_llama3.py                       # hyperac selective, 4 steps
     python examples/torchtitan_llama3.py --check               # and torchtitan's SelectiveAC, and no AC
 

@@ -44,12 +44,20 @@ Imported directly, so a missing one fails ``import hyperac`` loudly rather than 
 ``torch.utils._pytree``, ``torch.utils._python_dispatch`` (``TorchDispatchMode``,
 ``_disable_current_modes``) and ``torch.utils.flop_counter`` (``sdpa_flop_count``,
 ``sdpa_backward_flop_count``).
+
+NOTE [Every private torch piece]: :data:`PRIVATE_TORCH` is the one table of every private piece of
+torch that hyperac relies on anywhere, with the file that uses it and a probe of the behaviour it
+relies on; :func:`probe_private_torch` runs them all (tests/test_compat.py does, on every torch in
+the tested range). The two features above are also checked at ``apply``; the others are used in
+paths where a mismatch fails loudly (an AttributeError, a dynamo error), so the table is how a new
+torch release is judged before it is added to the tested range.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,8 +67,9 @@ from .config import SELECTIVE_MODES, Config
 from .errors import TorchVersionError
 
 __all__ = [
-    "FRAME_HOOK_AVAILABLE", "MIN_TORCH", "SAC_CHECKPOINT_KWARGS", "TESTED_TORCH", "pause_frame_compilation", "require",
-    "require_for", "resume_frame_compilation", "storage_use_count",
+    "FRAME_HOOK_AVAILABLE", "MIN_TORCH", "PRIVATE_TORCH", "SAC_CHECKPOINT_KWARGS", "TESTED_TORCH",
+    "pause_frame_compilation", "probe_private_torch", "require", "require_for", "resume_frame_compilation",
+    "storage_use_count",
 ]
 
 # The torch releases the whole suite runs on (tox -e cpu, tox -e torch-newest), and the floor
@@ -118,12 +127,16 @@ def require_for(modes: list[str], swaps: list[bool], config: Config) -> None:
 @functools.cache
 def _check(feature: str) -> None:
     probe = {"selective": _probe_selective, "swap_selective_outputs": _probe_storage_use_count}[feature]
-    try:
-        problem = probe()
-    except Exception as error:  # any failure of an internal's contract is a mismatch, whatever its type
-        problem = f"probing it raised {type(error).__name__}: {error}"
+    problem = _run(probe)
     if problem is not None:
         raise _mismatch(_FEATURES[feature], problem)
+
+
+def _run(probe: Callable[[], str | None]) -> str | None:
+    try:
+        return probe()
+    except Exception as error:  # any failure of an internal's contract is a mismatch, whatever its type
+        return f"probing it raised {type(error).__name__}: {error}"
 
 
 def _probe_selective() -> str | None:
@@ -194,3 +207,89 @@ def pause_frame_compilation() -> Any:
 def resume_frame_compilation(paused: Any) -> None:
     if paused is not None:
         _set_eval_frame(paused)
+
+
+def _probe_frame_hook() -> str | None:
+    if _set_eval_frame is None:
+        return "torch._C._dynamo.eval_frame has no set_eval_frame"
+    return None
+
+
+def _probe_disable_dynamo() -> str | None:
+    wrapped = torch._disable_dynamo(lambda value: value + 1)
+    return None if wrapped(1) == 2 else "torch._disable_dynamo changed what the function it wraps returns"
+
+
+def _probe_dispatch_mode_overrides() -> str | None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    missing = [name for name in ("_should_skip_dynamo", "ignore_compile_internals")
+               if not callable(getattr(TorchDispatchMode, name, None))]
+    return f"TorchDispatchMode has no {', '.join(missing)} to override" if missing else None
+
+
+def _probe_hook_dicts() -> str | None:
+    module = torch.nn.Linear(1, 1)
+    pre = module.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
+    post = module.register_forward_hook(lambda m, args, kwargs, out: None, with_kwargs=True, always_call=True)
+    tables = {"_forward_pre_hooks": pre.id, "_forward_pre_hooks_with_kwargs": pre.id, "_forward_hooks": post.id,
+              "_forward_hooks_with_kwargs": post.id, "_forward_hooks_always_called": post.id}
+    missing = [name for name, key in tables.items() if key not in getattr(module, name, {})]
+    return f"nn.Module keeps no hook entry in {', '.join(missing)}" if missing else None
+
+
+def _probe_buffers_dict() -> str | None:
+    module = torch.nn.BatchNorm1d(2)
+    replacement = torch.ones(2)
+    module._buffers["running_mean"] = replacement
+    return None if module.running_mean is replacement else "nn.Module._buffers is not where buffers are looked up"
+
+
+def _probe_tensor_base() -> str | None:
+    base = torch.zeros(4)
+    return None if base[1:]._base is base and base._base is None else "Tensor._base is not a view's base"
+
+
+def _probe_local_scalar_dense_on_meta() -> str | None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return 1
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(1, device="meta").item()
+    if torch.ops.aten._local_scalar_dense.default not in seen:
+        return "Tensor.item() on meta does not dispatch aten::_local_scalar_dense"
+    return None
+
+
+PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
+    "torch.utils.checkpoint: _detach_helper, SAC_IGNORED_OPS, _sac_storage_key; op schemas and tags": (
+        "policy.py (selective record and replay)", _probe_selective),
+    "torch._C._storage_Use_Count, UntypedStorage.resize_": (
+        "swap.py (swap_selective_outputs)", _probe_storage_use_count),
+    "torch._C._dynamo.eval_frame.set_eval_frame": (
+        "policy.py (frame compilation paused per region)", _probe_frame_hook),
+    "torch._disable_dynamo": ("recompute.py (eager regions under torch.compile)", _probe_disable_dynamo),
+    "TorchDispatchMode._should_skip_dynamo, .ignore_compile_internals (overridden)": (
+        "policy.py (dispatch modes and torch.compile)", _probe_dispatch_mode_overrides),
+    "nn.Module._forward_pre_hooks, _forward_hooks and their _with_kwargs/_always_called tables": (
+        "state.py, planner/verify.py (hooks removed by key on undo, also in copies)", _probe_hook_dicts),
+    "nn.Module._buffers": ("buffers.py (buffer snapshots restored in place)", _probe_buffers_dict),
+    "Tensor._base": ("swap.py (views of parameters stay on the device)", _probe_tensor_base),
+    "aten::_local_scalar_dense on meta (answered by a dispatch mode)": (
+        "planner/profile.py (.item() of a meta model's tensors)", _probe_local_scalar_dense_on_meta),
+}
+"""Every private torch piece hyperac uses: name -> (where, probe returning a problem or None)."""
+
+
+def probe_private_torch() -> dict[str, str]:
+    """The problems :data:`PRIVATE_TORCH`'s probes find in this torch, by piece (empty: none)."""
+    problems = {name: _run(probe) for name, (_, probe) in PRIVATE_TORCH.items()}
+    return {name: problem for name, problem in problems.items() if problem is not None}

@@ -8,6 +8,12 @@ run once in forward; the replay reuses their saved output).
 
 Register one for a model family with :func:`register_adapter`, or pass it to
 :func:`hyperac.apply` directly. The registry maps names to adapters and holds no models.
+
+NOTE [The registry is asked, never implied]: ``apply`` consults the registry only when its
+``adapter=`` option asks: a registered name, or ``"auto"`` (the adapter registered for the
+model's ``model_type``, architecture or class). The default, ``None``, recomputes whole layers
+whatever is registered, so a library that registers an adapter for ``"llama"`` changes only the
+applies that ask for it, not every Llama in the process.
 """
 
 from __future__ import annotations
@@ -111,24 +117,25 @@ def _model_names(model: nn.Module) -> list[str]:
 
 
 def find_adapter(model: nn.Module, requested: Adapter | str | None) -> tuple[str, Adapter | None]:
-    """Return ``(name, adapter)`` for the ``adapter`` option; ``(..., None)`` means whole layers."""
+    """Return ``(name, adapter)`` for the ``adapter`` option; ``(..., None)`` means whole layers
+    (NOTE [The registry is asked, never implied])."""
     if isinstance(requested, Adapter):
         return "custom", requested
-    if requested == "none":
+    if requested is None or requested == "none":
         return "none", None
-    if isinstance(requested, str):
-        adapter = _ADAPTERS.get(_normalize(requested))
-        if adapter is None:
-            raise ConfigError(
-                f"Config.adapter={requested!r} is not registered; registered: {sorted(_ADAPTERS)!r}. "
-                "Register it with hyperac.register_adapter or pass a hyperac.Adapter."
-            )
-        return requested, adapter
-    for name in _model_names(model):
-        adapter = _ADAPTERS.get(_normalize(name))
-        if adapter is not None:
-            return name, adapter
-    return "none", None
+    if requested == "auto":
+        for name in _model_names(model):
+            adapter = _ADAPTERS.get(_normalize(name))
+            if adapter is not None:
+                return name, adapter
+        return "none", None
+    adapter = _ADAPTERS.get(_normalize(requested))
+    if adapter is None:
+        raise ConfigError(
+            f"Config.adapter={requested!r} is not registered; registered: {sorted(_ADAPTERS)!r}. Register it with "
+            "hyperac.register_adapter, pass a hyperac.Adapter, or adapter='auto' for the one registered for the model."
+        )
+    return requested, adapter
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,11 @@ from torch import nn
 from . import _compat, _hf
 from .adapters import Adapter, find_adapter, resolve_regions
 from .backends import Backend, get_backend
-from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
+from .config import MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
-from .plan import LayerPlan, Plan, assign_modes, reversible_note
+from .layer_modes import assign_modes, reversible_note
+from .plan import LayerPlan, Plan
 from .planner import (
     Estimate,
     auto_modes,
@@ -34,14 +35,31 @@ __all__ = ["applied_plan", "apply", "estimate", "remove", "swap_stats"]
 
 logger = logging.getLogger(__name__)
 
-_UNSET: Any = object()
+class _Default:
+    """A keyword left out: reads as the ``Config`` default it stands for (``help(hyperac.apply)`` shows
+    ``mode: str = 'full'``), yet is told apart from the same value passed, so that ``config=`` and a
+    keyword together are refused even when the keyword repeats a default."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+_D = {field.name: _Default(field.default) for field in dataclasses.fields(Config)}
 
 
 def resolve_config(config: Config | None, fields: dict[str, Any]) -> Config:
-    """One Config from ``config=`` or keyword options (unset ones marked ``_UNSET``), never both."""
-    given = {name: value for name, value in fields.items() if value is not _UNSET}
+    """One Config from ``config=`` or keyword options (those left out are ``_Default``), never both."""
+    given = {name: value for name, value in fields.items() if not isinstance(value, _Default)}
     if config is None:
         return Config(**given)
+    if isinstance(config, str) and config in (*MODES, "auto"):
+        raise ConfigError(f"the second argument of apply is config=, got the mode {config!r}; "
+                          f"pass it by name: hyperac.apply(model, mode={config!r}).")
     if not isinstance(config, Config):
         raise ConfigError(f"config must be a hyperac.Config or None, got {config!r}.")
     if given:
@@ -169,18 +187,18 @@ def apply(
     model: nn.Module,
     config: Config | None = None,
     *,
-    mode: str = _UNSET,
-    backend: Any = _UNSET,
-    layers: Any = _UNSET,
-    compile: bool = _UNSET,
-    swap_inputs: bool = _UNSET,
-    swap_selective_outputs: bool = _UNSET,
-    min_swap_bytes: int = _UNSET,
-    host_budget_bytes: int | None = _UNSET,
-    budget: Any = _UNSET,
-    sample: Any = _UNSET,
-    plan: Any = _UNSET,
-    adapter: Any = _UNSET,
+    mode: str = _D["mode"],
+    backend: Any = _D["backend"],
+    layers: Any = _D["layers"],
+    compile: bool = _D["compile"],
+    swap_inputs: bool = _D["swap_inputs"],
+    swap_selective_outputs: bool = _D["swap_selective_outputs"],
+    min_swap_bytes: int = _D["min_swap_bytes"],
+    host_budget_bytes: int | None = _D["host_budget_bytes"],
+    budget: Any = _D["budget"],
+    sample: Any = _D["sample"],
+    plan: Any = _D["plan"],
+    adapter: Any = _D["adapter"],
 ) -> Plan:
     """Make ``model`` keep fewer activations on the device, by recomputing them in backward or by
     holding them in host memory. Modifies ``model`` in place; gradients are unchanged.
@@ -221,6 +239,16 @@ def apply(
             chosen_backend, _host_budget(config), config.min_swap_bytes)
     else:
         modes = assign_modes(found, config)
+    return _apply_modes(model, named_modules, found, modes, config, chosen_backend, planned_swaps, prediction)
+
+
+# NOTE [One installation path]: apply() decides each layer's mode (from a plan, the planner or
+# Config.layers), then _apply_modes installs them. The planner's profiling runner installs a uniform
+# mode through _apply_modes too, so apply() never runs inside itself while `mode="auto"` plans.
+def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], found: list[Layer], modes: list[str],
+                 config: Config, chosen_backend: Backend, planned_swaps: list[bool] | None,
+                 prediction: dict[str, Any]) -> Plan:
+    """Install ``modes`` (one per layer of ``found``) on ``model`` atomically; return the plan."""
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
@@ -309,9 +337,12 @@ def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
 
     def for_model(model: nn.Module, containers: list[str] | None) -> Callable[[str], Callable[[], None]]:
         def run(mode: str) -> Callable[[], None]:
+            config = Config(mode=mode, backend=backend, layers=containers, adapter=adapter)
+            named_modules = _check_model(model)
+            found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", HyperACWarning)
-                apply(model, mode=mode, backend=backend, layers=containers, adapter=adapter)
+                _apply_modes(model, named_modules, found, assign_modes(found, config), config, backend, None, {})
             return lambda: remove(model)
 
         return run
@@ -320,7 +351,7 @@ def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
 
 
 def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: Any = None,
-             device: str | None = None, min_swap_bytes: int = _UNSET) -> Estimate:
+             device_profile: str | None = None, min_swap_bytes: int = _D["min_swap_bytes"]) -> Estimate:
     """Profile one step of ``model`` per mode and report, per layer and mode, the activation bytes
     kept for backward, the step's peak, the seconds and the FLOPs replayed. The model is left as it
     was (gradients, buffers, RNG state).
@@ -329,8 +360,10 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
         model: works on real tensors and on a model built on the ``meta`` device.
         sample: a dict of model keyword arguments for one step, or a callable ``model -> loss``.
         backend, layers: as for :func:`apply` (``layers`` names containers, not modes).
-        device: for a model on ``meta``, the device profile whose roofline gives the seconds
-            (``"h100"``, ``"h200"``, ``"a100"``, ``"910b"``, ``"cpu"``; see ``hyperac.planner.DEVICES``).
+        device_profile: for a model on ``meta`` only, the device whose roofline gives the seconds
+            (``"h100"``, ``"h200"``, ``"a100"``, ``"910b"``, ``"cpu"``; see ``hyperac.planner.DEVICES``;
+            default ``"cpu"``, this host). A model with real tensors is timed where it runs, so a
+            profile there is an error.
         min_swap_bytes: as for :func:`apply`: the swap costs count only storages of at least this
             many bytes (default ``Config``'s, 1 MiB).
 
@@ -342,10 +375,16 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
     if config.layer_spec.rules:
         raise ConfigError("estimate() takes container paths in layers=, not per-layer modes.")
     named_modules = _check_model(model)
+    first = next(model.parameters(), None)
+    if device_profile is not None and (first is None or first.device.type != "meta"):
+        where = "has no parameters" if first is None else f"is on {first.device.type!r}"
+        raise ConfigError(f"estimate(device_profile={device_profile!r}) costs a model on the meta device by a "
+                          f"roofline, but this model {where} and is timed where it runs; drop device_profile=, or "
+                          "build the model under torch.device('meta').")
     chosen = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    return dataclasses.replace(estimate_layers(model, sample, found, _uniform_runner(chosen, None), chosen, device),
-                               min_swap_bytes=config.min_swap_bytes)
+    return dataclasses.replace(estimate_layers(model, sample, found, _uniform_runner(chosen, None), chosen,
+                                               device_profile), min_swap_bytes=config.min_swap_bytes)
 
 
 def applied_plan(model: nn.Module) -> Plan | None:

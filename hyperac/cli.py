@@ -2,34 +2,45 @@
 
 ``hyperac demo`` compares the modes on a built-in tiny Llama (:mod:`hyperac.demo`).
 
-``hyperac plan`` estimates a model from a local HF config file or a preset geometry on the
-``meta`` device (nothing is allocated), costs its steps on a device profile (``--device``), and
-prints the fastest plan whose predicted peak fits a budget. On an accelerator profile the plan may
-swap layers to host memory over the profile's host link, within ``--host-budget`` of pinned host
-memory (``--no-swap``: recompute only); ``cpu`` has nothing to swap.
+``hyperac plan`` estimates a model on the ``meta`` device (nothing is allocated): a local HF
+config file (the architecture it names, else a causal LM), a preset geometry, or a Python entry
+point ``module:factory`` returning any ``nn.Module`` that takes token ids. It costs the steps on a
+device profile (``--device``), prints the fastest plan whose predicted peak fits a budget and, with
+``--output plan.json``, writes it as :func:`hyperac.apply` reads it back (``plan=``). On an
+accelerator profile the plan may swap layers to host memory over the profile's host link,
+within ``--host-budget`` of pinned host memory (``--no-swap``: recompute only); ``cpu`` has
+nothing to swap.
 
 Every bad input exits with status 2 and one line ``hyperac: error: ...`` on stderr that names
 the argument and what it allows; missing optional packages are found before any work starts.
+
+NOTE [Parse first, import late]: ``hyperac --help``, ``hyperac plan --help`` and every bad
+argument answer at once (tens of milliseconds of CPU, tests/test_cli.py bounds it): this module and
+the ``hyperac`` package import neither torch nor transformers at the top (NOTE [Lazy package] in
+``hyperac/__init__.py``). A command imports them once argparse has accepted its arguments. So the
+device profile names are written out here (:data:`DEVICE_PROFILES`; a test holds them equal to
+``hyperac.planner.DEVICES``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from . import api, demo
 from .budget import parse_budget
 from .errors import HyperACError
-from .planner import DEVICES, ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
-from .planner.cost import split_option
 from .presets import PRESETS
-from .swap import default_host_budget
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_PROFILES = ("h100", "h200", "a100", "910b")
+"""The accelerator profiles of :data:`hyperac.planner.DEVICES`, by name (``cpu`` is measured here)."""
 
 
 def _load_config(args: argparse.Namespace) -> Any:
@@ -82,31 +93,75 @@ def _read_config_file(path: str) -> dict[str, Any]:
 
 
 def _build_on_meta(config: Any, dtype: torch.dtype, source: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    """The model class the config names (``architectures``), else a causal LM, on ``meta``."""
+    import torch
+    import transformers
 
+    named = [getattr(transformers, name, None) for name in getattr(config, "architectures", None) or ()]
+    model_class = next((cls for cls in named if cls is not None), transformers.AutoModelForCausalLM)
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return model_class.from_config(config, dtype=dtype) if model_class is transformers.AutoModelForCausalLM \
+                else model_class._from_config(config, dtype=dtype)
     except (ValueError, TypeError, AttributeError, KeyError, RuntimeError) as error:
         raise HyperACError(f"{source}: transformers cannot build this model: {_one_line(error)}") from None
 
 
+def _model_from_entry_point(spec: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``--model module:factory``: ``factory()`` called on the ``meta`` device, in ``dtype``."""
+    import torch
+
+    module_name, _, attribute = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except ImportError as error:
+        raise HyperACError(f"--model: cannot import {module_name!r}: {_one_line(error)}") from None
+    except AttributeError:
+        raise HyperACError(f"--model: module {module_name!r} has no {attribute!r}; give module:factory, a "
+                           "function returning the model.") from None
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as error:  # noqa: BLE001 - the user's factory may raise anything
+        raise HyperACError(f"--model: {spec}() raised {type(error).__name__}: {_one_line(error)}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise HyperACError(f"--model: {spec}() returned a {type(model).__name__}, not a torch.nn.Module.")
+    return model.to(dtype)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """A scalar to run backward from: the output's ``loss`` if it has one, else its (first) tensor summed."""
+    import torch
+
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)):
+        output = next(item for item in output if isinstance(item, torch.Tensor))
+    logits = getattr(output, "logits", output)
+    return logits.float().sum()
+
+
 def _host_budget_bytes(args: argparse.Namespace) -> int | None:
     """The pinned host bytes a plan may swap into; ``None`` where the plan does not swap."""
-    swaps = args.device in DEVICES and not args.no_swap
+    swaps = args.device in DEVICE_PROFILES and not args.no_swap
     for option, value in (("--host-budget", args.host_budget), ("--min-swap-bytes", args.min_swap_bytes)):
         if value is not None and not swaps:
             why = "--no-swap is given" if args.no_swap else f"--device {args.device} has no host link to swap over"
             raise HyperACError(f"{option}: the plan does not swap ({why}); leave out {option}, or plan for one of "
-                               f"{', '.join(DEVICES)} without --no-swap.")
+                               f"{', '.join(DEVICE_PROFILES)} without --no-swap.")
     if not swaps:
         return None
+    from .swap import default_host_budget
+
     return args.host_budget if args.host_budget is not None else default_host_budget()
 
 
 def _print_plan(estimate: Any, chosen: list[str], host_budget: int | None, why_not: str) -> None:
     """The plan per layer (mode, and what it swaps: bytes and copy time not hidden by compute), and
     the swap totals."""
+    from .planner.cost import split_option
+
     print(f"{'#':>4}  {'layer':<28}  {'mode':<14}  swap to host")
     for position, (layer, option) in enumerate(zip(estimate.layers, chosen)):
         mode, swaps = split_option(option)
@@ -123,24 +178,59 @@ def _print_plan(estimate: Any, chosen: list[str], host_budget: int | None, why_n
           f"pinned host {estimate.host_bytes(chosen) / 2**30:.2f} GiB of a {host_budget / 2**30:.2f} GiB host budget")
 
 
-def plan(args: argparse.Namespace) -> int:
-    """Estimate a model geometry on the meta device and print the plan that fits the budget."""
-    host_budget = _host_budget_bytes(args)
-    config = _load_config(args)
+def _model_and_sample(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, str]:
+    """The model on ``meta``, the sample one step runs (token ids), and a line describing them."""
+    import torch
+
     dtype = getattr(torch, args.dtype)
-    source = "--preset" if args.preset is not None else "--config"
-    model = _build_on_meta(config, dtype, source)
-    print(f"estimating {config.model_type}, {config.num_hidden_layers} layers, batch {args.batch} x seq {args.seq}, "
-          f"{args.dtype}, on the meta device, costed on {args.device}...", file=sys.stderr, flush=True)
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    shape = f"batch {args.batch} x seq {args.seq}, {args.dtype}"
+    if args.model is not None:
+        model = _model_from_entry_point(args.model, dtype)
+        return model, lambda model: _loss_of(model(ids)), f"{args.model}, {shape}"
+    config = _load_config(args)
+    model = _build_on_meta(config, dtype, "--preset" if args.preset is not None else "--config")
+    layers = getattr(config, "num_hidden_layers", "?")
+    return model, {"input_ids": ids, "labels": ids}, f"{config.model_type}, {layers} layers, {shape}"
+
+
+def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[str], budget_bytes: int,
+                device: str) -> None:
+    """``--output``: the plan as :meth:`hyperac.Plan.to_dict` writes it, for ``apply(model, plan=...)``."""
+    from .discovery import discover_layers
+    from .plan import LayerPlan, Plan
+    from .planner.auto import resolve_choice
+
+    modes, swaps, predictions = resolve_choice(estimate, chosen, budget_bytes)
+    layers = tuple(LayerPlan(layer.index, layer.fqn, mode, () if mode in ("off", "swap") else (layer.fqn,), (), swap,
+                             layer.found_by)
+                   for layer, mode, swap in zip(discover_layers(model), modes, swaps))
+    plan_ = Plan(backend=device, adapter="none", layers=layers, notes=(f"planned by hyperac plan for {device}",),
+                 **predictions)
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(plan_.to_dict(), handle, indent=1)
+    except OSError as error:
+        raise HyperACError(f"--output: cannot write {path!r}: {error.strerror}.") from None
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Estimate a model on the meta device and print (and with ``--output`` write) the plan that fits the budget."""
+    from . import api
+    from .planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
+
+    host_budget = _host_budget_bytes(args)
+    model, sample, described = _model_and_sample(args)
+    print(f"estimating {described}, on the meta device, costed on {args.device}...", file=sys.stderr, flush=True)
     swap_options = {} if args.min_swap_bytes is None else {"min_swap_bytes": args.min_swap_bytes}
-    estimate = api.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device=args.device,
-                            **swap_options)
+    estimate = api.estimate(model, sample, backend="cpu", device_profile=args.device, **swap_options)
     count = len(estimate.layers)
     off = estimate.peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)
     options = ESTIMATE_MODES if host_budget is None else ESTIMATE_MODES + SWAP_OPTIONS
     modes = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
+    if args.output is not None:
+        _write_plan(args.output, model, estimate, modes, budget_bytes, args.device)
     print(estimate)
     print(f"\nplan for a budget of {budget_bytes / 2**30:.2f} GiB:")
     _print_plan(estimate, modes, host_budget, "--no-swap" if args.no_swap else "the cpu profile has no host link")
@@ -149,6 +239,8 @@ def plan(args: argparse.Namespace) -> int:
           f"{estimate.step_seconds(modes) * 1e3:.1f} ms on {args.device} (no recompute: "
           f"{estimate.step_seconds(['off'] * count) * 1e3:.1f} ms), {estimate.total_recompute_flops(modes) / 1e12:.2f}"
           f" TFLOP replayed ({100 * estimate.total_recompute_flops(modes) / estimate.base_flops:.1f}% of the step)")
+    if args.output is not None:
+        print(f"wrote the plan to {args.output}: hyperac.apply(model, plan=json.load(open({args.output!r})))")
     return 0
 
 
@@ -209,31 +301,72 @@ class _PlotAvailable(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.run(args)
+
+
+def _entry_point(text: str) -> str:
+    """``--model``: ``module:factory`` (checked for its shape here, imported when the plan runs)."""
+    module, colon, attribute = text.partition(":")
+    if not (colon and module and attribute.isidentifier()):
+        raise argparse.ArgumentTypeError(f"must be module:factory, e.g. mypackage.models:build_model, got {text!r}")
+    return text
+
+
+def _output_path(text: str) -> str:
+    """``--output``: a file in a folder that exists (checked before the estimate runs)."""
+    import os
+
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder!r} does not exist, got {text!r}")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hyperac", description="Activation recompute for PyTorch training.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    demo_parser = commands.add_parser("demo", help="compare the modes on a built-in tiny Llama")
+    demo_parser = commands.add_parser("demo", help="compare the modes on a built-in tiny Llama",
+                                      formatter_class=_Help)
     demo_parser.add_argument("--rounds", type=_positive_int, default=20,
                              help="timed rounds, each one timed training step (after an untimed one) of every "
                                   "configuration in a shuffled order")
-    demo_parser.add_argument("--layers", type=_positive_int, default=4)
-    demo_parser.add_argument("--hidden", type=_positive_int, default=128, help="a multiple of 8")
-    demo_parser.add_argument("--seq", type=_positive_int, default=128)
-    demo_parser.add_argument("--batch", type=_positive_int, default=2)
+    demo_parser.add_argument("--layers", type=_positive_int, default=4, help="decoder layers of the tiny Llama")
+    demo_parser.add_argument("--hidden", type=_positive_int, default=128, help="hidden size, a multiple of 8")
+    demo_parser.add_argument("--seq", type=_positive_int, default=128, help="sequence length of each training batch")
+    demo_parser.add_argument("--batch", type=_positive_int, default=2, help="sequences per training batch")
     demo_parser.add_argument("--plot", metavar="FILE.png", action=_PlotAvailable,
-                             help="also draw measured step time against measured peak memory (needs matplotlib)")
-    demo_parser.set_defaults(run=demo.run)
-    plan_parser = commands.add_parser("plan", help="estimate a model geometry and print the plan for a budget")
+                             help="also draw measured step time against measured peak memory (needs matplotlib: "
+                                  "pip install 'hyperac[plot]')")
+    demo_parser.set_defaults(run=_run_demo)
+    plan_parser = commands.add_parser("plan", help="estimate a model geometry and print the plan for a budget",
+                                      formatter_class=_Help)
     source = plan_parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", metavar="CONFIG.json", help="a local HF config.json")
+    source.add_argument("--config", metavar="CONFIG.json",
+                        help="a local HF config.json (builds the architecture it names, else a causal LM)")
     source.add_argument("--preset", help=f"one of: {', '.join(sorted(PRESETS))}")
+    source.add_argument("--model", metavar="MODULE:FACTORY", type=_entry_point,
+                        help="a Python entry point: FACTORY() returns an nn.Module taking token ids (plain PyTorch, "
+                             "torchtitan); it is called on the meta device")
     plan_parser.add_argument("--seq", type=_positive_int, default=4096, help="sequence length")
     plan_parser.add_argument("--batch", type=_positive_int, default=1, help="batch size")
     plan_parser.add_argument("--budget", required=True, type=_budget,
                              help="peak activation memory: bytes, a size like 24GiB, or a fraction like 0.5 of the "
                                   "no-recompute peak (as budget= in the API)")
-    plan_parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    plan_parser.add_argument("--device", default="h100", choices=(*DEVICES, "cpu"),
+    plan_parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                             help="dtype of the parameters and activations")
+    plan_parser.add_argument("--device", default="h100", choices=(*DEVICE_PROFILES, "cpu"),
                              help="device profile that costs the step (data-sheet peaks; cpu: measured here); on the "
                              "accelerators the plan may swap layers to host memory over the profile's host link")
     plan_parser.add_argument("--host-budget", type=_size, metavar="SIZE",
@@ -243,6 +376,8 @@ def _parser() -> argparse.ArgumentParser:
                              help="storages smaller than this stay on the device, as min_swap_bytes= in the API "
                                   "(default 1MiB; 0 lets every saved tensor go)")
     plan_parser.add_argument("--no-swap", action="store_true", help="plan recompute only, no swap to host memory")
+    plan_parser.add_argument("--output", metavar="PLAN.json", type=_output_path,
+                             help="also write the plan as JSON, for hyperac.apply(model, plan=json.load(...))")
     plan_parser.set_defaults(run=plan)
     return parser
 

@@ -87,18 +87,28 @@ def _parse_rules(where: str, mapping: Mapping[Any, Any]) -> tuple[LayerRule, ...
         if last is not None and last < first:
             raise ConfigError(f"{where} range {key!r} ends before it starts; write it as '{last}-{first}'.")
         rules.append(LayerRule(first, last, mode))
-    rules.sort(key=lambda r: r.first)
-    for before, after in zip(rules, rules[1:]):
-        if before.last is None or before.last >= after.first:
-            raise ConfigError(
-                f"{where} entries overlap: layers {_describe(before)} and {_describe(after)}; "
-                "give each layer one mode."
-            )
-    return tuple(rules)
+    # NOTE [A single index overrides its range]: `{"4-": "selective", 7: "off"}` reads "a range,
+    # then an exception": the more specific entry wins. Ranges may not overlap each other, nor may
+    # two entries name the same single index; the rules are ordered ranges first, so that applying
+    # them in order (hyperac.layer_modes) lets each single index have the last word.
+    ranges = sorted((r for r in rules if not _is_single(r)), key=lambda r: r.first)
+    singles = sorted((r for r in rules if _is_single(r)), key=lambda r: r.first)
+    for group in (ranges, singles):
+        for before, after in zip(group, group[1:]):
+            if before.last is None or before.last >= after.first:
+                raise ConfigError(
+                    f"{where} entries overlap: layers {_describe(before)} and {_describe(after)}; give each layer "
+                    "one mode (a single index may sit inside a range: it overrides the range there)."
+                )
+    return (*ranges, *singles)
+
+
+def _is_single(rule: LayerRule) -> bool:
+    return rule.last == rule.first
 
 
 def _describe(rule: LayerRule) -> str:
-    if rule.last == rule.first:
+    if _is_single(rule):
         return str(rule.first)
     return f"{rule.first}-{'' if rule.last is None else rule.last}"
 
@@ -168,7 +178,9 @@ class Config:
     """Which layers, and per-layer modes. ``None``: discover the repeated layers. A container path
     (``"model.blocks"``) or a list of them: those containers' children. A mapping of flat layer
     index or inclusive range to mode (``{"0-3": "full", "4-": "selective", 7: "off"}``); layers it
-    does not name get ``mode``. A mapping of container path to a mode or to such an index mapping."""
+    does not name get ``mode``. A single index inside a range overrides the range there (layer 7 is
+    ``off`` above); ranges that overlap each other are an error. A mapping of container path to a
+    mode or to such an index mapping."""
 
     compile: bool = False
     """The layers will run under ``torch.compile``: use the stateless selective policy (saves
@@ -204,9 +216,10 @@ class Config:
     recomputed layers still follows ``swap_inputs``/``swap_selective_outputs`` (``swap`` layers swap)."""
 
     adapter: Any = None
-    """Recompute regions inside layers. ``None``: the adapter registered for the model's
-    ``model_type`` or architecture, if any. An :class:`hyperac.Adapter`, a registered name, or
-    ``"none"`` to recompute whole layers even when an adapter is registered."""
+    """Recompute regions inside layers. ``None`` (or ``"none"``): whole layers, whatever is
+    registered. An :class:`hyperac.Adapter`; a registered name; or ``"auto"``: the adapter
+    registered for the model's ``model_type``, architecture or class, if any (the registry is
+    consulted only when asked: NOTE [The registry is asked, never implied] in adapters.py)."""
 
     def __post_init__(self) -> None:
         if self.mode is False:  # YAML reads a bare `off` as False
@@ -230,7 +243,7 @@ class Config:
             )
         if not (self.adapter is None or isinstance(self.adapter, (str, Adapter))):
             raise ConfigError(
-                f"Config.adapter must be None, 'none', a registered adapter name or a hyperac.Adapter; "
+                f"Config.adapter must be None, 'none', 'auto', a registered adapter name or a hyperac.Adapter; "
                 f"got {self.adapter!r}."
             )
         object.__setattr__(self, "_layer_spec", parse_layers(self.layers))

@@ -222,8 +222,8 @@ def _walk(
             yield found
 
 
-def _largest(containers: list[_Container]) -> list[_Container]:
-    """Drop small containers found by structure alone (NOTE in the module docstring)."""
+def _without_small(containers: list[_Container]) -> list[_Container]:
+    """The containers, less the small ones found by structure alone (NOTE in the module docstring)."""
     exempt = [c for c in containers if c.fully_declared or c.found_by == "HF marker"]
     largest = max(c.parameters() for c in containers)
     kept = [c for c in containers if c in exempt or c.parameters() >= _MIN_SHARE * largest]
@@ -249,7 +249,21 @@ def _layers_of(containers: list[_Container]) -> list[Layer]:
 
 
 def _candidate_paths(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, _CONTAINER_TYPES) and len(m) > 1][:5]
+    """Up to five paths ``layers=`` could name: containers of two or more modules below the root."""
+    return [n for n, m in model.named_modules() if n and isinstance(m, _CONTAINER_TYPES) and len(m) > 1][:5]
+
+
+def _name_a_container(model: nn.Module) -> str:
+    """The fix for a model whose layers discovery cannot find: a real path to pass, or what to change."""
+    candidates = _candidate_paths(model)
+    if candidates:
+        return f"name the container: hyperac.apply(model, layers={candidates[0]!r}) (containers it has: {candidates!r})"
+    kind = type(model).__name__
+    if isinstance(model, _CONTAINER_TYPES):
+        return (f"the model itself is the {kind} of layers, which layers= cannot name: hold it in a module "
+                f"(self.blocks = the {kind}) and pass layers='blocks'")
+    return ("it holds no ModuleList, ModuleDict or Sequential of two or more modules: keep the repeated layers in "
+            "one (self.blocks = nn.ModuleList(...)) and pass layers='blocks'")
 
 
 def _named_containers(model: nn.Module, paths: tuple[str, ...]) -> list[_Container]:
@@ -294,8 +308,7 @@ def discover_layers(
     if not containers:
         raise UnsupportedModelError(
             f"found no repeated layers in {type(model).__name__}: no container holds blocks of a declared "
-            "layer class (GradientCheckpointingLayer, _no_split_modules) or two blocks of one class; name "
-            "the container, e.g. hyperac.apply(model, layers='model.blocks') "
-            f"(candidates: {_candidate_paths(model)!r})."
+            "layer class (GradientCheckpointingLayer, _no_split_modules) or two blocks of one class; "
+            f"{_name_a_container(model)}."
         )
-    return _layers_of(_largest(containers))
+    return _layers_of(_without_small(containers))

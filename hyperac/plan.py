@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import Config, LayerRule
-from .discovery import Layer
 from .errors import ConfigError
 
-__all__ = ["MODE_LETTERS", "LayerPlan", "Plan", "assign_modes", "mode_letters", "reversible_note"]
+__all__ = ["MODE_LETTERS", "LayerPlan", "Plan", "mode_letters"]
 
 MODE_LETTERS = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F", "swap": "w"}
 """One letter per mode, for writing a plan in a line: ``FFoo`` is full recompute on layers 0-1."""
@@ -33,7 +31,8 @@ class LayerPlan:
     fqn: str
     """Dotted name of the layer."""
     mode: str
-    """``off``, ``full`` or ``selective``."""
+    """One of :data:`hyperac.config.MODES`: ``off``, ``full``, ``selective``, ``selective-even``,
+    ``pointwise`` or ``swap`` (``mode="auto"`` resolves to these per layer)."""
     recomputed: tuple[str, ...] = ()
     """Dotted names of the modules replayed in backward: the layer itself, or regions inside it."""
     excluded: tuple[str, ...] = ()
@@ -71,19 +70,22 @@ class Plan:
     """``mode="auto"``: the budget it was chosen for."""
 
     @classmethod
-    def from_dict(cls, data: Any) -> Plan:
-        """Rebuild a plan from :meth:`to_dict` output (e.g. read back from JSON or YAML)."""
-        try:
-            layers = tuple(
-                LayerPlan(**{**layer, "recomputed": tuple(layer.get("recomputed", ())),
-                             "excluded": tuple(layer.get("excluded", ()))})
-                for layer in data["layers"]
-            )
-            fields = {k: data[k] for k in _PREDICTIONS if k in data}
-            return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
-                       notes=tuple(data.get("notes", ())), **fields)
-        except (KeyError, TypeError) as error:
-            raise ConfigError(f"Config.plan is not a plan dict (as Plan.to_dict() writes it): {error}") from None
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` output (e.g. read back from JSON or YAML).
+
+        Raises:
+            ConfigError: naming the first key or layer entry that is missing or wrong.
+        """
+        shape = "as Plan.to_dict() or `hyperac plan --output` writes it: {'backend': ..., 'layers': [{'index': 0, " \
+                "'fqn': 'model.layers.0', 'mode': 'full', ...}, ...]}"
+        for key, kind, name in (("backend", str, "string"), ("layers", (list, tuple), "list")):
+            if not isinstance(data.get(key), kind):
+                raise ConfigError(f"Config.plan is not a plan dict: {key!r} is missing or not a {name} (keys: "
+                                  f"{sorted(map(str, data))}); give one {shape}.")
+        layers = tuple(_layer_from_dict(position, layer, shape) for position, layer in enumerate(data["layers"]))
+        fields = {k: data[k] for k in _PREDICTIONS if k in data}
+        return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
+                   notes=tuple(data.get("notes", ())), **fields)
 
     def count(self, mode: str) -> int:
         return sum(1 for layer in self.layers if layer.mode == mode)
@@ -133,6 +135,22 @@ class Plan:
         return "\n".join(lines)
 
 
+def _layer_from_dict(position: int, layer: Any, shape: str) -> LayerPlan:
+    where = f"Config.plan['layers'][{position}]"
+    if not isinstance(layer, Mapping):
+        raise ConfigError(f"{where} is a {type(layer).__name__}, not a dict; give a plan dict {shape}.")
+    known = {field.name for field in dataclasses.fields(LayerPlan)}
+    missing = sorted({"index", "fqn", "mode"} - set(layer))
+    unknown = sorted(set(map(str, layer)) - known)
+    if missing or unknown:
+        wrong = f"lacks {missing}" if missing else f"has unknown keys {unknown}"
+        raise ConfigError(f"{where} {wrong}; each layer has {sorted(known)} (index, fqn and mode required).")
+    if layer["mode"] not in MODE_LETTERS:
+        raise ConfigError(f"{where}['mode'] is {layer['mode']!r}; a layer's mode is one of {sorted(MODE_LETTERS)}.")
+    return LayerPlan(**{**layer, "recomputed": tuple(layer.get("recomputed", ())),
+                        "excluded": tuple(layer.get("excluded", ()))})
+
+
 def _describe_targets(layer: LayerPlan) -> str:
     if not layer.recomputed:
         return "-"
@@ -143,42 +161,3 @@ def _describe_targets(layer: LayerPlan) -> str:
     if layer.excluded:
         text += " (not replayed: " + ", ".join(e[len(layer.fqn) + 1:] for e in layer.excluded) + ")"
     return text
-
-
-def _apply_rules(modes: list[str], rules: Sequence[LayerRule], where: str, names: str) -> None:
-    for rule in rules:
-        last = len(modes) - 1 if rule.last is None else rule.last
-        if rule.first > len(modes) - 1 or last > len(modes) - 1:
-            bad = rule.first if rule.first > len(modes) - 1 else last
-            raise ConfigError(
-                f"{where} names layer {bad}, but {names} has {len(modes)} layers (0-{len(modes) - 1}); "
-                f"use indices in that range (an open range like '{min(rule.first, len(modes) - 1)}-' runs to the end)."
-            )
-        modes[rule.first:last + 1] = [rule.mode] * (last + 1 - rule.first)
-
-
-def reversible_note(layers: Sequence[Layer]) -> list[str]:
-    """The plan's note on reversible layers, which stay ``off`` (NOTE [Reversible layers] in discovery.py)."""
-    reversible = [layer.fqn for layer in layers if layer.reversible]
-    if not reversible:
-        return []
-    return [
-        f"{len(reversible)} reversible layer(s) ({reversible[0]}, ...) rebuild their inputs from their outputs in "
-        "backward and keep no activations: recompute gains nothing there, so they stay off."
-    ]
-
-
-def assign_modes(layers: Sequence[Layer], config: Config) -> list[str]:
-    """Each layer's mode: ``config.mode``, overridden by the per-layer rules of ``config.layers``;
-    reversible layers stay ``off``."""
-    modes = [config.mode] * len(layers)
-    for container, rules in config.layer_spec.rules.items():
-        if container == "":
-            _apply_rules(modes, rules, "Config.layers", "the model")
-            continue
-        positions = [i for i, layer in enumerate(layers) if layer.container == container]
-        local = [modes[i] for i in positions]
-        _apply_rules(local, rules, f"Config.layers[{container!r}]", repr(container))
-        for position, mode in zip(positions, local):
-            modes[position] = mode
-    return [("off" if layer.reversible else mode) for layer, mode in zip(layers, modes)]

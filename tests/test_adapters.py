@@ -177,7 +177,7 @@ def _adapter_names(plan):
 def test_lookup_by_model_type_normalized(model, register, registered_as):
     model.config.model_type = "toy_llama"
     register(registered_as, MLP_ONLY)
-    plan = hyperac.apply(model, backend="cpu")
+    plan = hyperac.apply(model, backend="cpu", adapter="auto")
     assert plan.adapter == "toy_llama"
     assert [layer.recomputed for layer in plan.layers] == [(f"{fqn}.mlp",) for fqn in LAYERS]
     hyperac.remove(model)
@@ -187,7 +187,7 @@ def test_lookup_by_architecture(model, register):
     model.config.model_type = "toy_unregistered"
     model.config.architectures = ["ToyNetForCausalLM"]
     register("toy-net", MLP_ONLY)
-    plan = hyperac.apply(model, backend="cpu")
+    plan = hyperac.apply(model, backend="cpu", adapter="auto")
     assert plan.adapter == "ToyNetForCausalLM"
     assert plan.layers[0].recomputed == ("model.layers.0.mlp",)
     hyperac.remove(model)
@@ -198,7 +198,7 @@ def test_model_type_wins_over_architecture(model, register):
     model.config.architectures = ["ToyBForCausalLM"]
     register("toy_b", WHOLE_LAYER)
     register("toy_a", MLP_ONLY)
-    plan = hyperac.apply(model, backend="cpu")
+    plan = hyperac.apply(model, backend="cpu", adapter="auto")
     assert plan.adapter == "toy_a"
     assert plan.layers[0].recomputed == ("model.layers.0.mlp",)
     hyperac.remove(model)
@@ -209,6 +209,17 @@ def test_lookup_by_name_normalized(model, register):
     plan = hyperac.apply(model, backend="cpu", adapter="Toy-MLP-Regions")
     assert plan.adapter == "Toy-MLP-Regions"
     assert plan.layers[0].recomputed == ("model.layers.0.mlp",)
+    hyperac.remove(model)
+
+
+def test_a_registered_adapter_is_used_only_when_asked_for(model, register):
+    """NOTE [The registry is asked, never implied]: another library registering "toy_llama" does not
+    change an apply that does not ask for the registry."""
+    model.config.model_type = "toy_llama"
+    register("toy_llama", MLP_ONLY)
+    plan = hyperac.apply(model, backend="cpu")
+    assert plan.adapter == "none"
+    assert [layer.recomputed for layer in plan.layers] == [(fqn,) for fqn in LAYERS]
     hyperac.remove(model)
 
 
@@ -223,7 +234,7 @@ def test_adapter_none_opts_out(model, register):
 
 def test_unregistered_model_gets_whole_layers(model):
     model.config.model_type = "toy_nothing_registered"
-    plan = hyperac.apply(model, backend="cpu")
+    plan = hyperac.apply(model, backend="cpu", adapter="auto")
     assert plan.adapter == "none"
     assert [layer.recomputed for layer in plan.layers] == [(fqn,) for fqn in LAYERS]
     hyperac.remove(model)
@@ -233,7 +244,7 @@ def test_registry_holds_no_model(base_model, loss_fn, register):
     register("toy_llama", NO_ATTENTION)
     model = copy.deepcopy(base_model)
     model.config.model_type = "toy_llama"
-    hyperac.apply(model, backend="cpu", mode="selective")
+    hyperac.apply(model, backend="cpu", mode="selective", adapter="auto")
     train_step(model, loss_fn)
     ref = weakref.ref(model)
     del model
@@ -437,7 +448,7 @@ def test_registered_adapter_errors_name_the_problem(model, register):
     register("toy_broken", Adapter(region_patterns=("*.feed_forward",)))
     before = snapshot(model)
     with pytest.raises(ConfigError, match=r"region_patterns \('\*\.feed_forward',\) matched no module"):
-        hyperac.apply(model, backend="cpu")
+        hyperac.apply(model, backend="cpu", adapter="auto")
     assert_untouched(model, before)
-    hyperac.apply(model, backend="cpu", adapter="none")  # the way out
+    hyperac.apply(model, backend="cpu")  # the way out: the registry is not asked
     hyperac.remove(model)

@@ -136,3 +136,23 @@ def test_selective_refused_when_schemas_do_not_say_what_an_op_writes(monkeypatch
     add_ = torch.ops.aten.add_.Tensor
     monkeypatch.setattr(add_, "_schema", torch._C.parse_schema(str(add_._schema).replace("(a!)", "")))
     _refused(tiny_llama(num_layers=2), "does not mark its first argument as written", mode="selective")
+
+
+def test_every_private_torch_piece_is_probed_and_present():
+    """NOTE [Every private torch piece]: the one table, each piece probed on this torch."""
+    assert _compat.probe_private_torch() == {}
+    names = " ".join(_compat.PRIVATE_TORCH)
+    for piece in ("_disable_dynamo", "_should_skip_dynamo", "ignore_compile_internals", "_forward_hooks", "_buffers",
+                  "Tensor._base", "_local_scalar_dense", "_storage_Use_Count", "_detach_helper", "set_eval_frame"):
+        assert piece in names, piece
+
+
+@pytest.mark.parametrize(("name", "breaks"), [
+    ("torch._disable_dynamo", lambda monkeypatch: monkeypatch.setattr(torch, "_disable_dynamo", lambda fn: None)),
+    ("nn.Module._buffers", lambda monkeypatch: monkeypatch.setattr(
+        torch.nn.Module, "__getattr__", lambda self, name: torch.zeros(2))),
+    ("Tensor._base", lambda monkeypatch: monkeypatch.setattr(torch.Tensor, "_base", None)),
+])
+def test_a_changed_private_piece_is_reported(monkeypatch, name, breaks):
+    breaks(monkeypatch)
+    assert name in _compat.probe_private_torch()

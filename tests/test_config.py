@@ -84,9 +84,9 @@ CONFIG_ERRORS = [
     (dict(layers={}), r"Config\.layers is an empty mapping"),
     (dict(layers=["model.layers", "model.layers"]), r"Config\.layers lists a container path twice"),
     # per-layer mappings
-    (dict(layers={"0-3": "full", 2: "off"}), r"Config\.layers entries overlap: layers 0-3 and 2"),
+    (dict(layers={"0-3": "full", "2-5": "off"}), r"Config\.layers entries overlap: layers 0-3 and 2-5"),
     (dict(layers={"0-1": "full", "1-2": "off"}), r"Config\.layers entries overlap: layers 0-1 and 1-2"),
-    (dict(layers={"2-": "full", 3: "off"}), r"Config\.layers entries overlap: layers 2- and 3"),
+    (dict(layers={"2-": "full", "5-6": "off", 3: "off"}), r"Config\.layers entries overlap: layers 2- and 5-6"),
     (dict(layers={"3": "off", 3: "full"}), r"Config\.layers entries overlap: layers 3 and 3"),
     (dict(layers={"5-2": "full"}), r"Config\.layers range '5-2' ends before it starts"),
     (dict(layers={-1: "off"}), r"Config\.layers key -1 is negative"),
@@ -173,6 +173,10 @@ def test_errors_are_value_errors():
         ({"model.layers": {"0-1": False}}, ["off", "off", "full", "full"]),
         ({" 1 - 2 ": "off", "3": "selective"}, ["full", "off", "off", "selective"]),
         ({"0-0": "off", "1-": "selective"}, ["off", "selective", "selective", "selective"]),
+        # a single index inside a range overrides it there (design.md section 3), whatever the key order
+        ({"0-3": "selective", 2: "off"}, ["selective", "selective", "off", "selective"]),
+        ({3: "off", "1-": "selective"}, ["full", "selective", "selective", "off"]),
+        ({"0-1": "off", "2-": "selective", 0: "full", "3": "pointwise"}, ["full", "off", "selective", "pointwise"]),
         ("model.layers", ["full"] * 4),
         (["model.layers"], ["full"] * 4),
         (("model.layers",), ["full"] * 4),
@@ -254,3 +258,109 @@ def test_config_equality():
 def test_replace_validates():
     with pytest.raises(ConfigError, match=r"Config\.compile .*got 'no'"):
         dataclasses.replace(Config(), compile="no")
+
+
+# ---------------------------------------------------------------------------------------------
+# messages a newcomer meets first
+
+
+def test_signature_shows_the_real_defaults():
+    """help(hyperac.apply) reads like the documentation: each keyword shows Config's default."""
+    signature = inspect.signature(hyperac.apply)
+    for field in dataclasses.fields(Config):
+        assert repr(signature.parameters[field.name].default) == repr(field.default), field.name
+    assert "object at 0x" not in str(signature)
+
+
+def test_a_keyword_equal_to_its_default_still_conflicts_with_config(model):
+    assert_apply_fails(model, r"pass either config= or keyword options, not both .*\['mode'\]",
+                       config=Config(), mode="full")
+
+
+def test_mode_passed_positionally_says_mode_equals(model):
+    assert_apply_fails(model, r"the second argument of apply is config=, got the mode 'full'; pass it by name: "
+                              r"hyperac\.apply\(model, mode='full'\)", config="full")
+
+
+@pytest.mark.parametrize(("budget", "expected"), [("50%", 500), ("12.5 %", 125), ("100%", 1000)])
+def test_budget_as_a_percentage(budget, expected):
+    from hyperac.budget import parse_budget
+
+    assert parse_budget(budget, 1000) == expected
+    Config(mode="auto", budget=budget, sample={"input_ids": None})
+
+
+@pytest.mark.parametrize("budget", ["0%", "150%", "-5%", "%", "50%%"])
+def test_budget_percentage_out_of_range(budget):
+    with pytest.raises(ConfigError, match=r"Config\.budget must be .*percentage like '50%'.*got"):
+        Config(mode="auto", budget=budget, sample={"input_ids": None})
+
+
+PLAN_LAYER = {"index": 0, "fqn": "model.layers.0", "mode": "full"}
+
+
+@pytest.mark.parametrize(("plan", "match"), [
+    ({"backend": "cpu"}, r"Config\.plan is not a plan dict: 'layers' is missing or not a list \(keys: \['backend'\]\)"),
+    ({"layers": []}, r"Config\.plan is not a plan dict: 'backend' is missing or not a string"),
+    ({"backend": "cpu", "layers": {"0": "full"}}, r"'layers' is missing or not a list"),
+    ({"backend": "cpu", "layers": ["full"]}, r"Config\.plan\['layers'\]\[0\] is a str, not a dict"),
+    ({"backend": "cpu", "layers": [{"index": 0, "mode": "full"}]}, r"Config\.plan\['layers'\]\[0\] lacks \['fqn'\]"),
+    ({"backend": "cpu", "layers": [{**PLAN_LAYER, "speed": 1}]}, r"\[0\] has unknown keys \['speed'\]"),
+    ({"backend": "cpu", "layers": [{**PLAN_LAYER, "mode": "fast"}]}, r"\[0\]\['mode'\] is 'fast'; a layer's mode is"),
+])
+def test_malformed_plan_dict(plan, match):
+    with pytest.raises(ConfigError, match=match):
+        Config(plan=plan)
+
+
+def test_no_repeated_layers_names_a_real_container_or_what_to_change():
+    from torch import nn
+
+    from hyperac import UnsupportedModelError
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.stack(x)
+
+    with pytest.raises(UnsupportedModelError, match=r"name the container: hyperac\.apply\(model, layers='stack'\) "
+                                                    r"\(containers it has: \['stack'\]\)\.$"):
+        hyperac.apply(Net())
+    with pytest.raises(UnsupportedModelError, match=r"the model itself is the Sequential of layers, which layers= "
+                                                    r"cannot name: hold it in a module"):
+        hyperac.apply(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    with pytest.raises(UnsupportedModelError, match=r"it holds no ModuleList, ModuleDict or Sequential of two or "
+                                                    r"more modules") as raised:
+        hyperac.apply(nn.Linear(4, 4))
+    assert "candidates" not in str(raised.value)
+
+
+def test_estimate_device_profile_only_for_meta_models(model):
+    import torch
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ConfigError, match=r"estimate\(device_profile='h100'\) costs a model on the meta device by a "
+                                          r"roofline, but this model is on 'cpu' and is timed where it runs"):
+        hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device_profile="h100")
+
+
+def test_auto_plans_without_apply_calling_itself(model, monkeypatch):
+    """NOTE [One installation path] in api.py: the planner's profiling installs each uniform mode through the
+    same function apply uses, not through apply (which would re-enter itself while it plans)."""
+    import torch
+
+    from hyperac import api
+
+    calls = []
+    real_apply = api.apply
+    monkeypatch.setattr(api, "apply", lambda *args, **kwargs: calls.append(kwargs.get("mode")) or real_apply(
+        *args, **kwargs))
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    plan = api.apply(model, mode="auto", budget=0.9, sample={"input_ids": ids, "labels": ids}, backend="cpu")
+    try:
+        assert calls == ["auto"] and len(plan.layers) == 4
+    finally:
+        hyperac.remove(model)

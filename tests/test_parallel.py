@@ -190,6 +190,7 @@ def test_accelerate_example():
                           str(EXAMPLES / "accelerate_fsdp2.py"), "--cpu", "--steps", "2", "--check"])
     assert "4 layers: 4 selective" in output and "step 1: loss" in output, output
     assert "max loss difference without hyperac: 0.0" in output, output
+    assert "distributed: MULTI_CPU, 2 process(es)" in output, output  # really two ranks, as the README says
 
 
 @pytest.mark.dist

@@ -306,8 +306,10 @@ def test_choose_modes_with_swap_rounds_up_within_both_budgets(monkeypatch):
     assert checked >= 100 and swapping >= 20, (checked, swapping)
 
 
-def test_choose_modes_solves_128_layers_with_swap_in_well_under_a_second():
-    """A 128-layer model with every swap option: the exact program stays fast."""
+def test_choose_modes_solves_128_layers_with_swap_in_bounded_cpu_time():
+    """A 128-layer model with every swap option: the exact program stays fast. Bounded in CPU time of
+    this process (not wall time, which a loaded machine stretches), about ten times what it takes idle
+    (0.2-0.4 s per solve): a slower program, not a busier machine, fails it."""
     kept = {"off": 560_128, "pointwise": 329_728, "selective": 215_040, "selective-even": 182_272, "full": 32_768}
     layer = LayerEstimate(
         index=0, fqn="layers.0", kept_bytes=kept, recompute_flops={m: 0 for m in ESTIMATE_MODES},
@@ -322,11 +324,11 @@ def test_choose_modes_solves_128_layers_with_swap_in_well_under_a_second():
     off = estimate.peak_bytes(["off"] * 128)
     timings = []
     for fraction in (0.3, 0.6):
-        start = time.perf_counter()
+        start = time.process_time()
         chosen = choose_by_peak_and_time(estimate, int(fraction * off), ESTIMATE_MODES + SWAP_OPTIONS)
-        timings.append(time.perf_counter() - start)
+        timings.append(time.process_time() - start)
         assert estimate.peak_bytes(chosen) <= fraction * off and "swap" in chosen
-    assert min(timings) < 0.75, timings
+    assert min(timings) < 3.0, timings
     # A host budget for half of those swaps: within it, and most of it used despite the coarse host grid.
     host_budget = estimate.host_bytes(chosen) // 2
     bounded = choose_by_peak_and_time(estimate, int(0.6 * off), ESTIMATE_MODES + SWAP_OPTIONS,
@@ -924,14 +926,14 @@ def test_device_profiles_cost_a_meta_geometry():
         model = LlamaForCausalLM(config)
     ids = torch.zeros(4, 2048, dtype=torch.long, device="meta")
     sample = {"input_ids": ids, "labels": ids}
-    h100 = hyperac.estimate(model, sample, backend="cpu", device="h100")
-    a100 = hyperac.estimate(model, sample, backend="cpu", device="a100")
+    h100 = hyperac.estimate(model, sample, backend="cpu", device_profile="h100")
+    a100 = hyperac.estimate(model, sample, backend="cpu", device_profile="a100")
     for mode in ("off", "full"):
         assert a100.step_seconds([mode] * 2) > h100.step_seconds([mode] * 2)  # 312 vs 989 TFLOP/s
     assert h100.step_seconds(["full"] * 2) > h100.step_seconds(["off"] * 2)
     assert "roofline on h100" in h100.timing
     with pytest.raises(ConfigError, match="unknown device profile 'tpu'"):
-        hyperac.estimate(model, sample, backend="cpu", device="tpu")
+        hyperac.estimate(model, sample, backend="cpu", device_profile="tpu")
 
 
 def test_profiling_on_real_tensors_leaves_sdpa_and_global_hooks_alone(llama_batch, monkeypatch):
@@ -974,7 +976,7 @@ def test_concurrent_meta_profiles_restore_sdpa():
             with torch.device("meta"):
                 model = LlamaForCausalLM(config)
             ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
-            hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device="h100")
+            hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu", device_profile="h100")
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 

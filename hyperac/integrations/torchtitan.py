@@ -13,19 +13,48 @@ parallel)::
     config.activation_checkpoint = HyperACRecompute.Config(mode="selective")
 
 Unlike torchtitan's own entries, it wraps nothing: parameter and ``state_dict`` names keep no
-``_checkpoint_wrapped_module.``, so checkpoints load with or without it. The inherited
-``preserve_rng_state``, ``determinism_check`` and ``debug`` fields have no effect: hyperac always
-replays the RNG state and uses PyTorch's default determinism check.
+``_checkpoint_wrapped_module.``, so checkpoints load with or without it. The fields it inherits
+from ``ActivationCheckpointing.Config`` (``preserve_rng_state``, ``determinism_check``, ``debug``)
+have no hyperac counterpart: hyperac always replays the RNG state and checks every replayed op, so
+a value other than the default is refused (``ConfigError``) rather than ignored.
+
+torchtitan 0.3 is built against torch 2.14; importing this module under an older torch raises
+:class:`hyperac.TorchVersionError` before torchtitan is imported (it would fail deep inside, or
+worse, half work). Install the pair in a venv of its own (``tox -e torchtitan`` does)::
+
+    pip install 'torch==2.14.1' 'torchtitan==0.3.0' -e .
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import torch
 from torch import nn
-from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 
 from ..api import apply
+from ..errors import ConfigError, TorchVersionError
+
+_TORCHTITAN_TORCH = (2, 14)
+"""The oldest torch torchtitan 0.3 runs on (it uses torch 2.14 APIs)."""
+
+
+def check_torch(version: str) -> None:
+    """Raise :class:`TorchVersionError` when ``version`` (a ``torch.__version__``) is older than
+    torchtitan 0.3 needs."""
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if release < _TORCHTITAN_TORCH:
+        raise TorchVersionError(
+            f"hyperac.integrations.torchtitan: torch {version} is older than the torch 2.14 that torchtitan 0.3 "
+            "needs. Install the pair in a venv of their own (next to torch 2.13, `pip install torchtitan` also "
+            "changes huggingface_hub and datasets): pip install 'torch==2.14.1' 'torchtitan==0.3.0'."
+        )
+
+
+check_torch(torch.__version__)  # before torchtitan is imported, which fails obscurely on an older torch
+
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing  # noqa: E402
 
 __all__ = ["HyperACRecompute"]
 
@@ -48,4 +77,21 @@ class HyperACRecompute(ActivationCheckpointing):
     def apply(self, model: nn.Module) -> None:
         """Apply hyperac to every block of ``model.layers`` (a ``ModuleDict`` in torchtitan's models)."""
         config = self.config
+        _refuse_inherited_settings(config)
         apply(model, layers="layers", mode=config.mode, backend=config.backend, swap_inputs=config.swap_inputs)
+
+
+def _default(field: dataclasses.Field) -> Any:
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def _refuse_inherited_settings(config: Any) -> None:
+    """Raise :class:`ConfigError` for an inherited ``ActivationCheckpointing.Config`` field set to
+    anything but its default: hyperac has no counterpart, and ignoring it would mislead."""
+    for field in dataclasses.fields(ActivationCheckpointing.Config):
+        value = getattr(config, field.name)
+        if value != _default(field):
+            raise ConfigError(
+                f"HyperACRecompute.Config.{field.name}={value!r} has no effect in hyperac (it always replays the RNG "
+                f"state and checks every replayed op); leave it at its default, {_default(field)!r}."
+            )

@@ -21,6 +21,8 @@ are those of :func:`hyperac.apply`; what they leave open is taken from the ``Tra
   others ``off`` (the layers HF would pick); ``{"offload": True}`` adds ``swap_inputs=True``. Other
   keys (``use_reentrant`` ...) have no hyperac counterpart: hyperac's recompute is always
   non-reentrant. Explicit ``mode``/``layers``/``plan`` options win over the flag. One warning says so.
+  Without that request a model with HF's flag already on (set by its ``__init__``) is refused, as
+  :func:`hyperac.apply` refuses it.
 * ``torch_compile=True``: ``compile=True`` (the selective policy ``torch.compile`` can trace).
 * the device the model sits on picks the backend (``use_cpu=True`` on a GPU host gives ``cpu``).
 
@@ -138,7 +140,7 @@ def _plan_for_hf_request(model: nn.Module, hf_kwargs: dict[str, Any], chosen: di
             "recompute is always non-reentrant)"
     logger.warning(
         "TrainingArguments.activation_checkpointing=True: HF's activation checkpointing and hyperac cannot both be "
-        "on (hyperac.apply refuses a model with HF's on), so HF's is left off and %s%s. Set "
+        "on, so hyperac turns HF's off while it is applied (back on when training ends) and %s%s. Set "
         "activation_checkpointing=False to silence this.", what, ignored,
     )
     return derived
@@ -153,18 +155,18 @@ def _turn_off_hf_recompute(model: nn.Module) -> list[nn.Module]:
     changed = [module for module in model.modules() if module.__dict__.get("gradient_checkpointing") is True]
     for module in changed:
         module.gradient_checkpointing = False
-    if changed:
-        logger.warning(
-            "HF activation checkpointing was on in %d module(s) of %s (the Trainer turns it on for "
-            "TrainingArguments.activation_checkpointing=True); turned it off, hyperac recomputes instead.",
-            len(changed), type(model).__name__,
-        )
     return changed
 
 
+# NOTE [HF's flag: one rule]: hyperac turns HF's activation checkpointing off only where the
+# TrainingArguments ask for it (activation_checkpointing=True: the Trainer has just turned it on,
+# and config_from_training_args warns once, saying what hyperac does instead). A flag that is on
+# without that request (set by hand, or by a model's __init__ from its config, as HF Evolla does
+# for config.gradient_checkpointing=True) is the model's own: the Trainer path refuses it exactly
+# as hyperac.apply does (UnsupportedModelError: call activation_checkpointing_disable() first).
 def _apply(model: nn.Module, args: Any, config: Config | None, options: dict[str, Any]) -> tuple[Plan, Config, list]:
     chosen = config_from_training_args(model, args, config, **options)
-    changed = _turn_off_hf_recompute(model)
+    changed = _turn_off_hf_recompute(model) if _hf_recompute_request(args)[0] else []
     try:
         return apply(model, chosen), chosen, changed
     except BaseException:

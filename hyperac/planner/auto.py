@@ -101,6 +101,13 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
     budget_bytes = parse_budget(budget, estimate.peak_bytes(off))
     options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
     chosen = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget_bytes)
+    return resolve_choice(estimate, chosen, budget_bytes)
+
+
+def resolve_choice(estimate: Estimate, chosen: Sequence[str], budget_bytes: int) -> tuple[list[str], list[bool],
+                                                                                          dict[str, Any]]:
+    """The solver's per-layer options as ``apply``'s modes and swap flags, with the plan's predictions
+    (``mode="auto"``, and ``hyperac plan --output``)."""
     modes, swaps = plan_swaps([split_option(o)[0] if o != "swap" else o for o in chosen],
                               [split_option(o)[1] for o in chosen])
     return modes, swaps, {

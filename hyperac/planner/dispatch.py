@@ -24,7 +24,8 @@ __all__ = ["HostCosts", "host_costs"]
 
 _STEPS = 5
 _ITERATIONS = 64
-_cache: dict[str, HostCosts] = {}
+_cache: dict[tuple[str, int, str], HostCosts] = {}
+"""Measured host costs by (device, intra-op threads, torch version): what a measurement depends on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> None:
 def host_costs(device: torch.device, runner: Callable[..., Callable[[str], Callable[[], None]]]) -> HostCosts:
     """Host cost per op on ``device``, measured on first use (``runner(model, ["blocks"])(mode)`` applies a
     uniform mode to a model and returns its undo; see ``auto.Runner``)."""
-    key = str(device)
+    key = (str(device), torch.get_num_threads(), torch.__version__)
     if key in _cache:
         return _cache[key]
     model = _Chain()

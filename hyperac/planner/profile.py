@@ -16,7 +16,7 @@ started yet, i.e. those below the layer running) and a residual: what the runnin
 outside the layers, the embeddings, logits and loss. Per layer and mode the profile keeps the
 largest forward and backward residual, and outside the layers the largest residual per count of
 layers behind; the cost model adds them to the kept bytes of the layers behind under the plan's
-own modes (``CostModel.peak_bytes``).
+own modes (``Estimate.peak_bytes`` in cost.py).
 
 NOTE [What a swap would move]
 A layer that swaps hands its group what autograd saves for backward while its forward runs,
