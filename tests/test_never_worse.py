@@ -1,0 +1,119 @@
+"""No recompute mode keeps more than ``off`` (design.md invariant 11, NOTE [Never keep more than off]).
+
+HF's DETR family (tiny configs, a ResNet backbone with frozen BatchNorm) and a conv net with
+in-place activations and training BatchNorm: every mode's bytes kept at backward start and step
+peak are at most the un-applied model's, with bitwise-equal gradients. HF DETR freezes its whole
+HF-ResNet backbone by name; the tests train it (a fine-tuned backbone), which is where the
+convolutions' outputs are at stake. The Hungarian-matching loss needs scipy, so the loss here is
+one on the logits and boxes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from hyperac_testing import assert_parity, measure, train_step
+from torch import nn
+
+import hyperac
+from hyperac.measure import PeakMeter
+
+MODES = ("pointwise", "selective", "selective-even", "full")
+DETR_FAMILY = {
+    "detr": ("DetrConfig", "DetrForObjectDetection"),
+    "conditional_detr": ("ConditionalDetrConfig", "ConditionalDetrForObjectDetection"),
+    "deformable_detr": ("DeformableDetrConfig", "DeformableDetrForObjectDetection"),
+    "table_transformer": ("TableTransformerConfig", "TableTransformerForObjectDetection"),
+}
+
+
+def tiny_detector(family: str) -> nn.Module:
+    config_name, model_name = DETR_FAMILY[family]
+    deformable = family == "deformable_detr"
+    backbone = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[16, 32, 32, 32], depths=[2, 1, 1, 1], layer_type="bottleneck",
+        out_features=["stage2", "stage3", "stage4"] if deformable else ["stage4"],
+    )
+    options = dict(
+        use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone, d_model=32,
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=4,
+    )
+    if deformable:
+        options.update(num_feature_levels=3, encoder_n_points=2, decoder_n_points=2, decoder_layers=2)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**options))
+    return model.train().requires_grad_(True)
+
+
+def detection_loss(model: nn.Module) -> torch.Tensor:
+    pixels = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    out = model(pixel_values=pixels)
+    return out.logits.square().mean() + out.pred_boxes.sum()
+
+
+class ConvBlock(nn.Module):
+    """A ResNet basic block with in-place ReLUs and training BatchNorm (torchvision's and timm's shape)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1, self.norm1 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.norm2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.norm1(self.conv1(x)))
+        y = self.norm2(self.conv2(y))
+        y += x
+        return self.act(y)
+
+
+class ConvNet(nn.Module):
+    def __init__(self, width: int = 8, num_blocks: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(ConvBlock(width) for _ in range(num_blocks))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def conv_loss(model: nn.Module) -> torch.Tensor:
+    return model(torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))).square().mean()
+
+
+def step_peak(model: nn.Module, loss_fn) -> int:
+    with PeakMeter(model.parameters()) as meter:
+        loss_fn(model).backward()
+    model.zero_grad(set_to_none=True)
+    return meter.peak_bytes
+
+
+def _check_never_worse(model: nn.Module, loss_fn, **options) -> None:
+    """Every mode: fewer bytes kept at backward start than ``off``, a step peak no higher, the same gradients."""
+    off_kept, off_peak = measure(copy.deepcopy(model), loss_fn)[0], step_peak(copy.deepcopy(model), loss_fn)
+    reference = train_step(copy.deepcopy(model), loss_fn)
+    for mode in MODES:
+        applied = copy.deepcopy(model)
+        hyperac.apply(applied, mode=mode, backend="cpu", **options)
+        kept, peak = measure(applied, loss_fn)[0], step_peak(applied, loss_fn)
+        assert kept < off_kept, f"{mode} keeps {kept} B at backward start, off {off_kept} B"
+        assert peak <= off_peak, f"{mode} step peak {peak} B, off {off_peak} B"
+        assert_parity(reference, train_step(applied, loss_fn))
+
+
+@pytest.mark.parametrize("family", list(DETR_FAMILY))
+def test_detr_family_keeps_less_than_off_in_every_mode(family):
+    _check_never_worse(tiny_detector(family), detection_loss)
+
+
+def test_conv_net_with_in_place_activations_keeps_less_than_off():
+    torch.manual_seed(0)
+    _check_never_worse(ConvNet(), conv_loss, layers="blocks")
