@@ -305,13 +305,16 @@ def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
 
 
 def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
-    """``runner(model, containers)(mode) -> undo``: apply one mode to every layer (for profiling)."""
+    """``runner(model, containers)(mode) -> undo``: apply one mode to every layer, or
+    ``{container: {index: mode}}`` (for profiling)."""
 
     def for_model(model: nn.Module, containers: list[str] | None) -> Callable[[str], Callable[[], None]]:
-        def run(mode: str) -> Callable[[], None]:
+        def run(mode: Any) -> Callable[[], None]:
+            # A mode, or per-container layer modes (NOTE [Identical layers measured once] in planner/profile.py).
+            layers, mode = (containers, mode) if isinstance(mode, str) else (mode, "off")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", HyperACWarning)
-                apply(model, mode=mode, backend=backend, layers=containers, adapter=adapter)
+                apply(model, mode=mode, backend=backend, layers=layers, adapter=adapter)
             return lambda: remove(model)
 
         return run

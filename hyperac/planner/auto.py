@@ -31,9 +31,9 @@ __all__ = ["auto_modes", "estimate_layers"]
 Runner = Callable[[nn.Module, Sequence[str] | None], Callable[[str], Callable[[], None]]]
 """``runner(model, containers)(mode)`` applies ``mode`` to every layer of those containers (``None``:
 discovered) and returns the undo."""
-TIMED_ROUNDS = 3
-"""Timed rounds of one step per mode after the profiled steps, on real tensors (NOTE [Timing on a
-drifting host] in :mod:`.profile`)."""
+TIMED_ROUNDS = 2
+"""The fewest timed rounds after the profiled steps, on real tensors (NOTE [Timing on a drifting
+host] in :mod:`.profile`)."""
 
 
 def _device_type(model: nn.Module) -> str:
@@ -55,8 +55,7 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
     with side_effects_undone(model, backend.device_type), fused_attention_on_meta(on_meta), computing():
         model.train()
         profiles = profile_modes(
-            model, sample, [layer.module for layer in layers], ESTIMATE_MODES,
-            runner(model, list(dict.fromkeys(layer.container for layer in layers))),
+            model, sample, [layer.module for layer in layers], ESTIMATE_MODES, _mixed_runner(model, layers, runner),
             rounds=0 if on_meta else TIMED_ROUNDS, synchronize=backend.synchronize,
         )
     if not on_meta:
@@ -67,6 +66,22 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
     return build_estimate(layers, profiles, profile, host,
                           timing=f"roofline on {profile.name}, host {describe(host)}",
                           link_bandwidth=profile.host_link_bandwidth)
+
+
+def _mixed_runner(model: nn.Module, layers: Sequence[Layer], runner: Runner) -> Callable[[Any], Callable[[], None]]:
+    """``run(mode)`` for :func:`profile_modes`: one mode on every layer, or a tuple of per-layer modes."""
+    run = runner(model, list(dict.fromkeys(layer.container for layer in layers)))
+
+    def run_mode(modes: str | tuple[str, ...]) -> Callable[[], None]:
+        if isinstance(modes, str):
+            return run(modes)
+        per_container: dict[str, dict[int, str]] = {}
+        for layer, mode in zip(layers, modes):
+            local = per_container.setdefault(layer.container, {})
+            local[len(local)] = mode
+        return run(per_container)
+
+    return run_mode
 
 
 def _link_bandwidth(backend: Any) -> float:
