@@ -31,6 +31,10 @@ configuration whose measured peak fits the budget, and PASS/FAIL for:
   steps (NOTE [Timing on a drifting host] in ``hyperac/planner/profile.py``), and the planner
   measured at another moment than this loop.
 
+``plan cost``: the seconds of ``hyperac.estimate`` (the profile ``apply(mode="auto")`` runs) over
+the median of the ``off`` steps just before and after it, median over three rounds, PASS at most
+10 training steps (NOTE [Identical layers measured once] in ``hyperac/planner/profile.py``).
+
 Each timed step follows an untimed step of the same configuration, so that it runs with the
 caches warm, as in training (without it, the step after another configuration's pays for a cold
 cache, and that penalty differs between modes). ``hyperac off (control)`` is ``off`` again under
@@ -241,6 +245,31 @@ def run_geometry(name: str, geometry: dict[str, int], rounds: int) -> tuple[list
     return lines, ok
 
 
+PLAN_COST_TARGET = 10.0
+"""Issue 20: planning (``hyperac.estimate``, what ``apply(mode="auto")`` runs) costs at most about
+this many training steps of the same model."""
+
+
+def plan_cost(name: str, geometry: dict[str, int], rounds: int = 3) -> tuple[str, bool]:
+    """Planning time over the median ``off`` step time, both measured in each of ``rounds`` rounds
+    (a plan between two steps); the median of the per-round ratios."""
+    model = build(geometry)
+    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+    sample = {"input_ids": ids, "labels": ids}
+    step(model, ids)
+    ratios = []
+    for _ in range(rounds):
+        before = step(model, ids)
+        start = time.perf_counter()
+        hyperac.estimate(model, sample, backend="cpu")
+        planning = time.perf_counter() - start
+        ratios.append(planning / statistics.median([before, step(model, ids)]))
+    cost = statistics.median(ratios)
+    ok = cost <= PLAN_COST_TARGET
+    return (f"plan cost ({name}): {cost:.1f} training steps (target <= {PLAN_COST_TARGET:.0f}; "
+            f"rounds {', '.join(f'{r:.1f}' for r in ratios)}) {'PASS' if ok else 'FAIL'}"), ok
+
+
 def compiled_peer(rounds: int) -> list[str]:
     """torch's own budget (``activation_memory_budget``) under torch.compile, on the demo geometry."""
     import torch._functorch.config as functorch_config
@@ -304,8 +333,9 @@ def main() -> int:
         if args.only and name != args.only:
             continue
         lines, passed = run_geometry(name, geometry, args.rounds or geometry["rounds"])
-        ok &= passed
-        print("\n".join(lines) + "\n", flush=True)
+        cost_line, cheap = plan_cost(name, geometry)
+        ok &= passed and cheap
+        print("\n".join([*lines, "", cost_line]) + "\n", flush=True)
     if args.compiled:
         print("\n".join(compiled_peer(args.rounds or 5)))
     print("all targets PASS" if ok else "some targets FAIL")

@@ -179,6 +179,8 @@ def apply(
     host_budget_bytes: int | None = _UNSET,
     budget: Any = _UNSET,
     sample: Any = _UNSET,
+    max_seq_len: int | None = _UNSET,
+    seq_dim: int = _UNSET,
     plan: Any = _UNSET,
     adapter: Any = _UNSET,
 ) -> Plan:
@@ -204,7 +206,8 @@ def apply(
         config,
         dict(mode=mode, backend=backend, layers=layers, compile=compile, swap_inputs=swap_inputs,
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
-             host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter),
+             host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter,
+             max_seq_len=max_seq_len, seq_dim=seq_dim),
     )
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
@@ -218,7 +221,7 @@ def apply(
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
-            chosen_backend, _host_budget(config), config.min_swap_bytes)
+            chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len, config.seq_dim)
     else:
         modes = assign_modes(found, config)
     _check_wrapped(found, modes)
@@ -248,7 +251,7 @@ def apply(
         if any(layer.recomputed for layer in layer_plans):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
-        if result.predicted_bytes is not None:
+        if result.predicted_bytes is not None and result.max_seq_len is None:  # else shorter steps keep less
             install_first_step_check(model, result.predicted_bytes)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)

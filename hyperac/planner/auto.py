@@ -22,6 +22,7 @@ from .attention import fused_attention_on_meta
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, build_estimate, split_option
 from .devices import DEVICES, device_profile
 from .dispatch import describe, host_costs
+from .lengths import at_length, sequence_length, truncated
 from .profile import profile_modes
 from .restore import side_effects_undone
 from .solver import choose_modes
@@ -42,12 +43,13 @@ def _device_type(model: nn.Module) -> str:
 
 
 def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runner: Runner, backend: Any,
-                    device: str | None = None) -> Estimate:
+                    device: str | None = None, timed: bool = True) -> Estimate:
     """Profile one step of ``model`` per uniform mode and return the cost model.
 
     On real tensors the layers' seconds are measured on ``backend``. On ``meta`` they are a
     roofline on the device profile ``device`` (default ``"cpu"``: this host) plus host costs per
-    op measured once per process. Gradients, buffers, RNG and training flags are left as they were.
+    op measured once per process (``timed=False``: no seconds). Gradients, buffers, RNG and training
+    flags are left as they were.
     """
     on_meta = _device_type(model) == "meta"
     # The sim backend's per-op compute time (NOTE [Simulated link and compute time]) is part of what is timed.
@@ -56,7 +58,7 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
         model.train()
         profiles = profile_modes(
             model, sample, [layer.module for layer in layers], ESTIMATE_MODES, _mixed_runner(model, layers, runner),
-            rounds=0 if on_meta else TIMED_ROUNDS, synchronize=backend.synchronize,
+            rounds=TIMED_ROUNDS if timed and not on_meta else 0, synchronize=backend.synchronize,
         )
     if not on_meta:
         return build_estimate(layers, profiles, timing=f"measured on {backend.name}",
@@ -104,13 +106,20 @@ def plan_swaps(modes: Sequence[str], offloads: Sequence[bool]) -> tuple[list[str
 
 
 def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, runner: Runner,
-               backend: Any, host_budget_bytes: int,
-               min_swap_bytes: int = 0) -> tuple[list[str], list[bool], dict[str, Any]]:
+               backend: Any, host_budget_bytes: int, min_swap_bytes: int = 0, max_seq_len: int | None = None,
+               seq_dim: int = 1) -> tuple[list[str], list[bool], dict[str, Any]]:
     """The per-layer modes and swap flags ``mode="auto"`` applies, and the plan's predictions.
     Swap is a choice where ``backend.can_swap``, within ``host_budget_bytes`` of pinned memory,
-    moving the storages of at least ``min_swap_bytes`` (NOTE [Swap in the plan])."""
-    estimate = dataclasses.replace(estimate_layers(model, sample, layers, runner, backend),
-                                   min_swap_bytes=min_swap_bytes)
+    moving the storages of at least ``min_swap_bytes`` (NOTE [Swap in the plan]). With
+    ``max_seq_len``, the plan is made for that sequence length (dimension ``seq_dim`` of the
+    sample's tensors), so that every batch up to it fits (:mod:`.lengths`)."""
+    length = None if max_seq_len is None else sequence_length(sample, seq_dim)
+    estimate = estimate_layers(model, sample, layers, runner, backend)
+    if length is not None:
+        half = truncated(sample, seq_dim, max(length // 2, 1))
+        estimate = at_length(estimate_layers(model, half, layers, runner, backend, timed=False), estimate,
+                             max(length // 2, 1), length, max_seq_len)
+    estimate = dataclasses.replace(estimate, min_swap_bytes=min_swap_bytes)
     off = ["off"] * len(layers)
     budget_bytes = parse_budget(budget, estimate.peak_bytes(off))
     options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
@@ -124,4 +133,5 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
         "predicted_recompute_flops": estimate.total_recompute_flops(chosen),
         "predicted_swap_bytes": sum(estimate.offload_bytes(p, o) for p, o in enumerate(chosen)),
         "budget_bytes": budget_bytes,
+        "max_seq_len": max_seq_len,
     }

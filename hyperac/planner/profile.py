@@ -373,10 +373,15 @@ def _profiled_run(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Modu
 # (every mode on some member of each group, ``off`` on two where the group is large enough: the
 # control of NOTE [Timing on a drifting host]). A layer's residual peaks are taken against the
 # kept bytes of the layers behind it under that step's own modes (NOTE [Peak phases]), so they
-# do not depend on what its neighbours ran. Layers unlike any other get one step per mode.
+# do not depend on what its neighbours ran. Without recompute a layer's backward residual does
+# depend on where it sits (tiny Llama: 16 KiB less per layer, the gradients of what all layers
+# share), which is why the groups are formed from the ``off`` step's work, not its peaks; under
+# the recompute modes the residual measured on one member is every member's (the replay's
+# transient dominates). Layers unlike any other get one step per mode.
 
 _PER_LAYER = ("kept", "forward_peak", "backward_peak", "backward_flops", "forward_ops", "backward_ops", "work",
               "offloadable")
+_SAME_WORK = ("kept", "backward_flops", "forward_ops", "backward_ops")
 
 
 def _identical_groups(layer_modules: Sequence[nn.Module], off: ModeProfile) -> list[tuple[int, ...]]:
@@ -384,8 +389,7 @@ def _identical_groups(layer_modules: Sequence[nn.Module], off: ModeProfile) -> l
     members: dict[tuple, list[int]] = defaultdict(list)
     for position, module in enumerate(layer_modules):
         shapes = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters())
-        members[(type(module), shapes, *(getattr(off, field).get(position) for field in _PER_LAYER[:6]))].append(
-            position)
+        members[(type(module), shapes, *(getattr(off, field).get(position) for field in _SAME_WORK))].append(position)
     group_of = {position: tuple(group) for group in members.values() for position in group}
     return [group_of[position] for position in range(len(layer_modules))]
 
