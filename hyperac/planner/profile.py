@@ -448,7 +448,7 @@ def _take(target: ModeProfile, source: ModeProfile, position: int, member: int) 
 # decided by replayed FLOPs and dispatched ops, not by the noise (``hyperac demo --plot`` on a
 # loaded machine chose a selective plan that uniform ``full`` beat in both peak and time).
 
-MAX_ROUNDS_FACTOR = 3
+MAX_ROUNDS_FACTOR = 2
 
 
 def _timed_rounds(
