@@ -329,7 +329,9 @@ class _RecordingMode(_EagerMode):
         self.saves: _AutogradSaves | None = None
 
     def __enter__(self):
-        self.saves = _AutogradSaves() if self.on_save is None else None
+        # Outside checkpoint's saved-tensor hooks (none to look through) nothing is weighed.
+        hooked = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        self.saves = _AutogradSaves() if self.on_save is None and hooked else None
         try:
             return super().__enter__()
         except BaseException:
