@@ -25,6 +25,7 @@ from .planner import (
     plan_swaps,
     remove_first_step_check,
 )
+from .planner.lengths import LengthCheck
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap
 from .state import STATE_KEY, AppliedState, find_owned, undo
@@ -253,6 +254,8 @@ def apply(
         model.__dict__[STATE_KEY] = state
         if result.predicted_bytes is not None and result.max_seq_len is None:  # else shorter steps keep less
             install_first_step_check(model, result.predicted_bytes)
+        if result.max_seq_len is not None:
+            model.register_forward_pre_hook(LengthCheck(state, result.max_seq_len, config.seq_dim), with_kwargs=True)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:

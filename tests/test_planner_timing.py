@@ -8,6 +8,7 @@ injected by replacing the layer clock's readings, so the tests do not depend on 
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -159,3 +160,18 @@ def test_max_seq_len_needs_a_sample_it_can_cut():
                       max_seq_len=64, backend="cpu")
     with pytest.raises(hyperac.ConfigError, match="max_seq_len=64 only applies to mode='auto'"):
         hyperac.apply(tiny_llama(num_layers=2), mode="full", max_seq_len=64)
+
+
+def test_a_batch_longer_than_max_seq_len_warns_once_per_shape():
+    model = tiny_llama(num_layers=2)
+    hyperac.apply(model, mode="auto", budget=0.9, sample=lm_sample(seq=8), max_seq_len=16, backend="cpu")
+    longer = torch.randint(0, 128, (2, 24))
+    with pytest.warns(hyperac.HyperACWarning, match=r"shape \[2, 24\] has 24 positions in dimension 1, more than "
+                                                     r"the max_seq_len=16 the plan was made for"):
+        model(input_ids=longer, labels=longer).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=longer, labels=longer).loss.backward()  # the same shape: once
+        model(input_ids=longer[:, :16], labels=longer[:, :16]).loss.backward()  # within: quiet
+    hyperac.remove(model)
+    assert not model._forward_pre_hooks

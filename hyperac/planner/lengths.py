@@ -18,7 +18,9 @@ count shrinks as the length grows. Seconds are the measured ones at ``s`` scaled
 (the short profile is not timed: its timing would double the planning cost for a figure that
 only ranks plans). The sequence length is dimension 1 of every tensor in the sample that has
 the sample's length there (``seq_dim=`` names another); a sample given as a callable cannot be
-cut, and is refused with ``max_seq_len=``.
+cut, and is refused with ``max_seq_len=``. A training batch longer than ``max_seq_len`` (its
+first tensor argument's dimension ``seq_dim``) is outside what the plan was made for: it warns,
+once per shape (:class:`LengthCheck`).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_once
+from ..state import AppliedState, Installed
 from .cost import Estimate
 
-__all__ = ["at_length", "sequence_length", "truncated"]
+__all__ = ["LengthCheck", "at_length", "sequence_length", "truncated"]
 
 
 def sequence_length(sample: Any, dim: int) -> int:
@@ -101,3 +104,26 @@ def at_length(short: Estimate, long: Estimate, short_length: int, long_length: i
         outside_seconds=long.outside_seconds * scale,
         timing=f"{long.timing}; bytes fitted from lengths {short_length} and {long_length} to {target}",
     )
+
+
+class LengthCheck(Installed):
+    """Forward pre-hook on the model of a plan made for ``max_seq_len``: a training batch longer than
+    that warns, once per shape (its first tensor argument, dimension ``seq_dim``)."""
+
+    def __init__(self, owner: AppliedState, max_seq_len: int, seq_dim: int) -> None:
+        self.owner, self.fqn = owner, ""
+        self.max_seq_len, self.seq_dim = max_seq_len, seq_dim
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > self.seq_dim),
+                     None)
+        if first is not None and first.shape[self.seq_dim] > self.max_seq_len:
+            length = first.shape[self.seq_dim]
+            warn_once(
+                f"hyperac: a training batch of shape {list(first.shape)} has {length} positions in dimension "
+                f"{self.seq_dim}, more than the max_seq_len={self.max_seq_len} the plan was made for, so its peak "
+                f"may exceed the budget; apply mode='auto' again with max_seq_len={length} or more.",
+                self.owner.warned, stacklevel=4,
+            )
