@@ -329,8 +329,10 @@ def profile_modes(
     run_mode: Callable[[str | tuple[str, ...]], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
 ) -> dict[str, ModeProfile]:
     """Profile every mode on every layer (NOTE [Identical layers measured once]), then time at
-    least ``rounds`` rounds (NOTE [Timing on a drifting host]). ``modes[0]`` is ``"off"``;
-    ``run_mode`` applies a mode to every layer, or a tuple of per-layer modes, and returns an undo."""
+    least ``rounds`` rounds (NOTE [Timing on a drifting host]). ``modes`` include ``"off"``;
+    ``run_mode`` applies a mode to every layer, or a tuple of per-layer modes, and returns an undo.
+    Outside the layers, ``off`` gets the largest residual any step saw (the cost model takes the
+    largest over the modes, as it did from one step per mode)."""
     count = len(layer_modules)
     off = _profiled_run(model, sample, layer_modules, run_mode, "off")
     groups = _identical_groups(layer_modules, off)
@@ -338,6 +340,8 @@ def profile_modes(
     profiles = {"off": off, **{mode: _copy(off) for mode in others}}
     for assignment in _assignments(groups, others, count):
         profile = _profiled_run(model, sample, layer_modules, run_mode, assignment)
+        for key, residual in profile.outside_peak.items():
+            off.outside_peak[key] = max(off.outside_peak.get(key, 0), residual)
         for position, mode in enumerate(assignment):
             if mode != "off":
                 for member in groups[position]:
