@@ -213,7 +213,7 @@ def apply(
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    prediction: dict[str, int] = {}
+    prediction: dict[str, Any] = {}
     planned_swaps = None
     if config.plan is not None:
         modes = _modes_from_plan(config.plan, found)
@@ -228,7 +228,7 @@ def apply(
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
-    notes: list[str] = reversible_note(found)
+    notes: list[str] = reversible_note(found) + prediction.pop("notes", [])
     regions = _regions_by_layer(
         dict(named_modules), found, modes, adapter_spec, config, _hf.has_kv_sharing(configs), notes
     )

@@ -184,3 +184,10 @@ def test_torchtitan_llama3_keeps_less_than_off():
         assert all(kept[mode] < kept["off"] and peak[mode] <= peak["off"] for mode in MODES), (kept, peak)
     finally:
         dist.destroy_process_group()
+
+
+def test_auto_plan_notes_layers_where_selective_saves_nothing_over_full():
+    model = tiny_detector("detr")
+    plan = hyperac.apply(model, mode="auto", budget=0.97, sample=detection_loss, backend="cpu")
+    note = next(note for note in plan.notes if note.startswith("pointwise and selective save no memory over full"))
+    assert "model.backbone.model.encoder.stages.0.layers.0" in note and note in str(plan)

@@ -134,4 +134,20 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
         "predicted_swap_bytes": sum(estimate.offload_bytes(p, o) for p, o in enumerate(chosen)),
         "budget_bytes": budget_bytes,
         "max_seq_len": max_seq_len,
+        "notes": _saves_nothing_note(estimate),
     }
+
+
+def _saves_nothing_note(estimate: Estimate) -> list[str]:
+    """The plan's note on layers where the recording modes keep no less than ``full`` (NOTE [Never
+    keep more than off] in policy.py): there they only add recording time."""
+    recording = ("pointwise", "selective", "selective-even")
+    layers = [layer for layer in estimate.layers
+              if all(layer.kept_bytes[mode] >= layer.kept_bytes["full"] for mode in recording)]
+    if not layers:
+        return []
+    return [
+        f"pointwise and selective save no memory over full on {len(layers)} layer(s) ({layers[0].fqn}, ...), "
+        "and cost recording time there; a layer whose kept op outputs are tensors the un-applied layer does not "
+        "keep (a convolution before a frozen BatchNorm) keeps only those it does (NOTE [Never keep more than off])."
+    ]
