@@ -31,6 +31,14 @@ configuration whose measured peak fits the budget, and PASS/FAIL for:
   steps (NOTE [Timing on a drifting host] in ``hyperac/planner/profile.py``), and the planner
   measured at another moment than this loop.
 
+``max_seq_len``: auto planned for the geometry's sequence length ``L`` from a sample of ``L/4``
+tokens (``max_seq_len=L``, budget 0.5): measured peak at 0.25L, 0.5L, 0.75L and L <= budget x
+1.03, and the predicted peak at L within 5% of the measured one.
+
+``plan cost``: the seconds of ``hyperac.estimate`` (the profile ``apply(mode="auto")`` runs) over
+the median of the ``off`` steps just before and after it, median over three rounds, PASS at most
+10 training steps (NOTE [Identical layers measured once] in ``hyperac/planner/profile.py``).
+
 Each timed step follows an untimed step of the same configuration, so that it runs with the
 caches warm, as in training (without it, the step after another configuration's pays for a cold
 cache, and that penalty differs between modes). ``hyperac off (control)`` is ``off`` again under
@@ -241,6 +249,59 @@ def run_geometry(name: str, geometry: dict[str, int], rounds: int) -> tuple[list
     return lines, ok
 
 
+PLAN_COST_TARGET = 10.0
+"""Issue 20: planning (``hyperac.estimate``, what ``apply(mode="auto")`` runs) costs at most about
+this many training steps of the same model."""
+
+
+def plan_cost(name: str, geometry: dict[str, int], rounds: int = 3) -> tuple[str, bool]:
+    """Planning time over the median ``off`` step time, both measured in each of ``rounds`` rounds
+    (a plan between two steps); the median of the per-round ratios."""
+    model = build(geometry)
+    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+    sample = {"input_ids": ids, "labels": ids}
+    step(model, ids)
+    ratios = []
+    for _ in range(rounds):
+        before = step(model, ids)
+        start = time.perf_counter()
+        hyperac.estimate(model, sample, backend="cpu")
+        planning = time.perf_counter() - start
+        ratios.append(planning / statistics.median([before, step(model, ids)]))
+    cost = statistics.median(ratios)
+    ok = cost <= PLAN_COST_TARGET
+    return (f"plan cost ({name}): {cost:.1f} training steps (target <= {PLAN_COST_TARGET:.0f}; "
+            f"rounds {', '.join(f'{r:.1f}' for r in ratios)}) {'PASS' if ok else 'FAIL'}"), ok
+
+
+def length_targets(name: str, geometry: dict[str, int], budget: float = 0.5) -> tuple[list[str], bool]:
+    """``max_seq_len=L`` (the geometry's seq), planned from a sample of ``L/4`` tokens: measured peak
+    at 0.25L, 0.5L, 0.75L and L <= budget x 1.03, and the predicted peak at L within 5% of measured."""
+    model = build(geometry)
+    length = geometry["seq"]
+    ids = torch.randint(0, 512, (geometry["batch"], length), generator=torch.Generator().manual_seed(1))
+    off_peak = peak(model, ids)
+    short = ids[:, : length // 4]
+    plan = hyperac.apply(model, mode="auto", budget=int(budget * off_peak), max_seq_len=length, backend="cpu",
+                         sample={"input_ids": short, "labels": short})
+    limit = plan.budget_bytes
+    lines, ok = [f"max_seq_len ({name}): plan {mode_letters([layer.mode for layer in plan.layers])} for {length} "
+                 f"tokens from a sample of {length // 4}, budget {budget} of the no-recompute peak at {length}"], True
+    for share in (0.25, 0.5, 0.75, 1.0):
+        n = int(share * length)
+        measured = peak(model, ids[:, :n])
+        fits = measured <= 1.03 * limit
+        ok &= fits
+        lines.append(f"  {n} tokens: peak {measured / limit:.3f}x budget {'PASS' if fits else 'FAIL'}")
+        if share == 1.0:
+            close = abs(plan.predicted_peak_bytes - measured) <= 0.05 * measured
+            ok &= close
+            lines.append(f"  predicted peak at {n}: {plan.predicted_peak_bytes / measured:.3f}x measured "
+                         f"{'PASS' if close else 'FAIL'}")
+    hyperac.remove(model)
+    return lines, ok
+
+
 def compiled_peer(rounds: int) -> list[str]:
     """torch's own budget (``activation_memory_budget``) under torch.compile, on the demo geometry."""
     import torch._functorch.config as functorch_config
@@ -304,8 +365,10 @@ def main() -> int:
         if args.only and name != args.only:
             continue
         lines, passed = run_geometry(name, geometry, args.rounds or geometry["rounds"])
-        ok &= passed
-        print("\n".join(lines) + "\n", flush=True)
+        cost_line, cheap = plan_cost(name, geometry)
+        length_lines, fits = length_targets(name, geometry)
+        ok &= passed and cheap and fits
+        print("\n".join([*lines, "", cost_line, *length_lines]) + "\n", flush=True)
     if args.compiled:
         print("\n".join(compiled_peer(args.rounds or 5)))
     print("all targets PASS" if ok else "some targets FAIL")

@@ -26,6 +26,7 @@ from .planner import (
     plan_swaps,
     remove_first_step_check,
 )
+from .planner.lengths import LengthCheck
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap
 from .state import STATE_KEY, AppliedState, find_owned, undo
@@ -197,6 +198,8 @@ def apply(
     host_budget_bytes: int | None = _D["host_budget_bytes"],
     budget: Any = _D["budget"],
     sample: Any = _D["sample"],
+    max_seq_len: int | None = _D["max_seq_len"],
+    seq_dim: int = _D["seq_dim"],
     plan: Any = _D["plan"],
     adapter: Any = _D["adapter"],
 ) -> Plan:
@@ -222,12 +225,13 @@ def apply(
         config,
         dict(mode=mode, backend=backend, layers=layers, compile=compile, swap_inputs=swap_inputs,
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
-             host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter),
+             host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter,
+             max_seq_len=max_seq_len, seq_dim=seq_dim),
     )
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    prediction: dict[str, int] = {}
+    prediction: dict[str, Any] = {}
     planned_swaps = None
     if config.plan is not None:
         modes = _modes_from_plan(config.plan, found)
@@ -236,7 +240,7 @@ def apply(
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
-            chosen_backend, _host_budget(config), config.min_swap_bytes)
+            chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len, config.seq_dim)
     else:
         modes = assign_modes(found, config)
     return _apply_modes(model, named_modules, found, modes, config, chosen_backend, planned_swaps, prediction)
@@ -252,7 +256,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
-    notes: list[str] = reversible_note(found)
+    notes: list[str] = reversible_note(found) + prediction.pop("notes", [])
     regions = _regions_by_layer(
         dict(named_modules), found, modes, adapter_spec, config, _hf.has_kv_sharing(configs), notes
     )
@@ -276,8 +280,10 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
         if any(layer.recomputed for layer in layer_plans):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
-        if result.predicted_bytes is not None:
+        if result.predicted_bytes is not None and result.max_seq_len is None:  # else shorter steps keep less
             install_first_step_check(model, result.predicted_bytes)
+        if result.max_seq_len is not None:
+            model.register_forward_pre_hook(LengthCheck(state, result.max_seq_len, config.seq_dim), with_kwargs=True)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:
@@ -333,11 +339,14 @@ def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
 
 
 def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
-    """``runner(model, containers)(mode) -> undo``: apply one mode to every layer (for profiling)."""
+    """``runner(model, containers)(mode) -> undo``: apply one mode to every layer, or
+    ``{container: {index: mode}}`` (for profiling)."""
 
     def for_model(model: nn.Module, containers: list[str] | None) -> Callable[[str], Callable[[], None]]:
-        def run(mode: str) -> Callable[[], None]:
-            config = Config(mode=mode, backend=backend, layers=containers, adapter=adapter)
+        def run(mode: Any) -> Callable[[], None]:
+            # A mode, or per-container layer modes (NOTE [Identical layers measured once] in planner/profile.py).
+            layers, mode = (containers, mode) if isinstance(mode, str) else (mode, "off")
+            config = Config(mode=mode, backend=backend, layers=layers, adapter=adapter)
             named_modules = _check_model(model)
             found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
             with warnings.catch_warnings():

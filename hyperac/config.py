@@ -211,6 +211,13 @@ class Config:
     """``mode="auto"``: a dict of model keyword arguments for one step (``input_ids``, ``labels``...),
     or a callable ``model -> loss``; profiled once per mode to estimate each layer's costs."""
 
+    max_seq_len: int | None = None
+    """``mode="auto"``: plan for batches up to this sequence length (the sample profiled at its own
+    length and at half of it, the costs fitted as functions of the length); ``None``: the sample's."""
+
+    seq_dim: int = 1
+    """``max_seq_len=``: the dimension of the sample's tensors that is the sequence length."""
+
     plan: Any = None
     """A :class:`hyperac.Plan` (or its ``to_dict()``) to apply again: its per-layer modes. Swap of
     recomputed layers still follows ``swap_inputs``/``swap_selective_outputs`` (``swap`` layers swap)."""
@@ -267,6 +274,15 @@ class Config:
                 )
         elif self.budget is not None:
             raise ConfigError(f"Config.budget={self.budget!r} only applies to mode='auto', not {self.mode!r}.")
+        elif self.max_seq_len is not None:
+            raise ConfigError(
+                f"Config.max_seq_len={self.max_seq_len!r} only applies to mode='auto', not {self.mode!r}."
+            )
+        if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool) or not isinstance(
+                self.max_seq_len, int) or self.max_seq_len < 1):
+            raise ConfigError(f"Config.max_seq_len must be a positive int, got {self.max_seq_len!r}; e.g. 4096.")
+        if isinstance(self.seq_dim, bool) or not isinstance(self.seq_dim, int) or self.seq_dim < 0:
+            raise ConfigError(f"Config.seq_dim must be an int >= 0, got {self.seq_dim!r}; e.g. 1 for (batch, seq).")
         if self.sample is not None and not (isinstance(self.sample, Mapping) or callable(self.sample)):
             raise ConfigError(
                 f"Config.sample must be a dict of model keyword arguments or a callable model -> loss, "

@@ -19,7 +19,7 @@ def mode_letters(modes: Sequence[str]) -> str:
     return "".join(MODE_LETTERS[mode] for mode in modes)
 
 _PREDICTIONS = ("predicted_bytes", "predicted_peak_bytes", "predicted_step_seconds", "predicted_recompute_flops",
-                "predicted_swap_bytes", "budget_bytes")
+                "predicted_swap_bytes", "budget_bytes", "max_seq_len")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,9 @@ class Plan:
     """``mode="auto"``: the device bytes its swaps move to host memory per step."""
     budget_bytes: int | None = None
     """``mode="auto"``: the budget it was chosen for."""
+    max_seq_len: int | None = None
+    """``mode="auto"`` with ``max_seq_len=``: the sequence length the predictions are for (every
+    shorter batch keeps less)."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -130,6 +133,7 @@ class Plan:
                 f"backward, {(self.predicted_step_seconds or 0) * 1e3:.1f} ms per step, "
                 f"{(self.predicted_recompute_flops or 0) / 1e9:.3f} GFLOP replayed, "
                 f"{(self.predicted_swap_bytes or 0) / 2**20:.2f} MiB swapped to host"
+                + (f", at sequence length {self.max_seq_len} (shorter batches keep less)" if self.max_seq_len else "")
             )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)

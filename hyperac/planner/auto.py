@@ -22,6 +22,7 @@ from .attention import fused_attention_on_meta
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, build_estimate, split_option
 from .devices import DEVICES, device_profile
 from .dispatch import describe, host_costs
+from .lengths import at_length, sequence_length, truncated
 from .profile import profile_modes
 from .restore import side_effects_undone
 from .solver import choose_modes
@@ -31,9 +32,9 @@ __all__ = ["auto_modes", "estimate_layers"]
 Runner = Callable[[nn.Module, Sequence[str] | None], Callable[[str], Callable[[], None]]]
 """``runner(model, containers)(mode)`` applies ``mode`` to every layer of those containers (``None``:
 discovered) and returns the undo."""
-TIMED_ROUNDS = 3
-"""Timed rounds of one step per mode after the profiled steps, on real tensors (NOTE [Timing on a
-drifting host] in :mod:`.profile`)."""
+TIMED_ROUNDS = 2
+"""The fewest timed rounds after the profiled steps, on real tensors (NOTE [Timing on a drifting
+host] in :mod:`.profile`)."""
 
 
 def _device_type(model: nn.Module) -> str:
@@ -42,12 +43,13 @@ def _device_type(model: nn.Module) -> str:
 
 
 def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runner: Runner, backend: Any,
-                    device: str | None = None) -> Estimate:
+                    device: str | None = None, timed: bool = True) -> Estimate:
     """Profile one step of ``model`` per uniform mode and return the cost model.
 
     On real tensors the layers' seconds are measured on ``backend``. On ``meta`` they are a
     roofline on the device profile ``device`` (default ``"cpu"``: this host) plus host costs per
-    op measured once per process. Gradients, buffers, RNG and training flags are left as they were.
+    op measured once per process (``timed=False``: no seconds). Gradients, buffers, RNG and training
+    flags are left as they were.
     """
     on_meta = _device_type(model) == "meta"
     # The sim backend's per-op compute time (NOTE [Simulated link and compute time]) is part of what is timed.
@@ -55,9 +57,8 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
     with side_effects_undone(model, backend.device_type), fused_attention_on_meta(on_meta), computing():
         model.train()
         profiles = profile_modes(
-            model, sample, [layer.module for layer in layers], ESTIMATE_MODES,
-            runner(model, list(dict.fromkeys(layer.container for layer in layers))),
-            rounds=0 if on_meta else TIMED_ROUNDS, synchronize=backend.synchronize,
+            model, sample, [layer.module for layer in layers], ESTIMATE_MODES, _mixed_runner(model, layers, runner),
+            rounds=TIMED_ROUNDS if timed and not on_meta else 0, synchronize=backend.synchronize,
         )
     if not on_meta:
         first = next(iter(model.parameters()), None)
@@ -68,6 +69,22 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
     return build_estimate(layers, profiles, profile, host,
                           timing=f"roofline on {profile.name}, host {describe(host)}",
                           link_bandwidth=host_link_override() or profile.host_link_bandwidth)
+
+
+def _mixed_runner(model: nn.Module, layers: Sequence[Layer], runner: Runner) -> Callable[[Any], Callable[[], None]]:
+    """``run(mode)`` for :func:`profile_modes`: one mode on every layer, or a tuple of per-layer modes."""
+    run = runner(model, list(dict.fromkeys(layer.container for layer in layers)))
+
+    def run_mode(modes: str | tuple[str, ...]) -> Callable[[], None]:
+        if isinstance(modes, str):
+            return run(modes)
+        per_container: dict[str, dict[int, str]] = {}
+        for layer, mode in zip(layers, modes):
+            local = per_container.setdefault(layer.container, {})
+            local[len(local)] = mode
+        return run(per_container)
+
+    return run_mode
 
 
 def _link_bandwidth(backend: Any, device: torch.device | None) -> float:
@@ -90,22 +107,29 @@ def plan_swaps(modes: Sequence[str], offloads: Sequence[bool]) -> tuple[list[str
 
 
 def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, runner: Runner,
-               backend: Any, host_budget_bytes: int,
-               min_swap_bytes: int = 0) -> tuple[list[str], list[bool], dict[str, Any]]:
+               backend: Any, host_budget_bytes: int, min_swap_bytes: int = 0, max_seq_len: int | None = None,
+               seq_dim: int = 1) -> tuple[list[str], list[bool], dict[str, Any]]:
     """The per-layer modes and swap flags ``mode="auto"`` applies, and the plan's predictions.
     Swap is a choice where ``backend.can_swap``, within ``host_budget_bytes`` of pinned memory,
-    moving the storages of at least ``min_swap_bytes`` (NOTE [Swap in the plan])."""
-    estimate = dataclasses.replace(estimate_layers(model, sample, layers, runner, backend),
-                                   min_swap_bytes=min_swap_bytes)
+    moving the storages of at least ``min_swap_bytes`` (NOTE [Swap in the plan]). With
+    ``max_seq_len``, the plan is made for that sequence length (dimension ``seq_dim`` of the
+    sample's tensors), so that every batch up to it fits (:mod:`.lengths`)."""
+    length = None if max_seq_len is None else sequence_length(sample, seq_dim)
+    estimate = estimate_layers(model, sample, layers, runner, backend)
+    if length is not None:
+        half = truncated(sample, seq_dim, max(length // 2, 1))
+        estimate = at_length(estimate_layers(model, half, layers, runner, backend, timed=False), estimate,
+                             max(length // 2, 1), length, max_seq_len)
+    estimate = dataclasses.replace(estimate, min_swap_bytes=min_swap_bytes)
     off = ["off"] * len(layers)
     budget_bytes = parse_budget(budget, estimate.peak_bytes(off))
     options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
     chosen = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget_bytes)
-    return resolve_choice(estimate, chosen, budget_bytes)
+    return resolve_choice(estimate, chosen, budget_bytes, max_seq_len)
 
 
-def resolve_choice(estimate: Estimate, chosen: Sequence[str], budget_bytes: int) -> tuple[list[str], list[bool],
-                                                                                          dict[str, Any]]:
+def resolve_choice(estimate: Estimate, chosen: Sequence[str], budget_bytes: int, max_seq_len: int | None = None
+                   ) -> tuple[list[str], list[bool], dict[str, Any]]:
     """The solver's per-layer options as ``apply``'s modes and swap flags, with the plan's predictions
     (``mode="auto"``, and ``hyperac plan --output``)."""
     modes, swaps = plan_swaps([split_option(o)[0] if o != "swap" else o for o in chosen],
@@ -117,4 +141,21 @@ def resolve_choice(estimate: Estimate, chosen: Sequence[str], budget_bytes: int)
         "predicted_recompute_flops": estimate.total_recompute_flops(chosen),
         "predicted_swap_bytes": sum(estimate.offload_bytes(p, o) for p, o in enumerate(chosen)),
         "budget_bytes": budget_bytes,
+        "max_seq_len": max_seq_len,
+        "notes": _saves_nothing_note(estimate),
     }
+
+
+def _saves_nothing_note(estimate: Estimate) -> list[str]:
+    """The plan's note on layers where the recording modes keep no less than ``full`` (NOTE [Never
+    keep more than off] in policy.py): there they only add recording time."""
+    recording = ("pointwise", "selective", "selective-even")
+    layers = [layer for layer in estimate.layers
+              if all(layer.kept_bytes[mode] >= layer.kept_bytes["full"] for mode in recording)]
+    if not layers:
+        return []
+    return [
+        f"pointwise and selective save no memory over full on {len(layers)} layer(s) ({layers[0].fqn}, ...), "
+        "and cost recording time there; a layer whose kept op outputs are tensors the un-applied layer does not "
+        "keep (a convolution before a frozen BatchNorm) keeps only those it does (NOTE [Never keep more than off])."
+    ]

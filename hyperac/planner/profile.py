@@ -33,7 +33,7 @@ those below ``min_swap_bytes``, as ``SwapManager`` does.
 from __future__ import annotations
 
 import dataclasses
-import random
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -326,81 +326,229 @@ def _timed_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module
 
 def profile_modes(
     model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: Sequence[str],
-    run_mode: Callable[[str], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
+    run_mode: Callable[[str | tuple[str, ...]], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
 ) -> dict[str, ModeProfile]:
-    """Profile one step per mode (``run_mode(mode)`` applies it and returns an undo callable),
-    then time at least ``rounds`` rounds of one step per mode (NOTE [Timing on a drifting host])."""
-    profiles = {}
-    for mode in modes:
-        undo = run_mode(mode)
-        try:
-            profiles[mode] = _profiled_step(model, sample, layer_modules)
-        finally:
-            undo()
-        model.zero_grad(set_to_none=True)
+    """Profile every mode on every layer (NOTE [Identical layers measured once]), then time at
+    least ``rounds`` rounds (NOTE [Timing on a drifting host]). ``modes`` include ``"off"``;
+    ``run_mode`` applies a mode to every layer, or a tuple of per-layer modes, and returns an undo.
+    Outside the layers, ``off`` gets the largest residual any step saw (the cost model takes the
+    largest over the modes, as it did from one step per mode)."""
+    count = len(layer_modules)
+    off = _profiled_run(model, sample, layer_modules, run_mode, "off")
+    groups = _identical_groups(layer_modules, off)
+    others = [mode for mode in modes if mode != "off"]
+    profiles = {"off": off, **{mode: _copy(off) for mode in others}}
+    for assignment in _assignments(groups, others, count):
+        profile = _profiled_run(model, sample, layer_modules, run_mode, assignment)
+        for key, residual in profile.outside_peak.items():
+            off.outside_peak[key] = max(off.outside_peak.get(key, 0), residual)
+        for position, mode in enumerate(assignment):
+            if mode != "off":
+                for member in groups[position]:
+                    _take(profiles[mode], profile, position, member)
+    for profile in profiles.values():
+        profile.total_flops = off.total_flops + sum(profile.backward_flops.get(p, 0) - off.backward_flops.get(p, 0)
+                                                    for p in range(count))
     if rounds:
-        for mode, seconds in _timed_rounds(model, sample, layer_modules, modes, run_mode, rounds,
-                                           synchronize).items():
+        for mode, seconds in _timed_rounds(model, sample, layer_modules, list(modes), run_mode, rounds,
+                                           synchronize, groups, profiles).items():
             profiles[mode].seconds = seconds
-        _pool_identical_layers(profiles, len(layer_modules))
     return profiles
 
 
-def _pool_identical_layers(profiles: dict[str, ModeProfile], count: int) -> None:
-    """Give layers that do the same work the mean of their seconds, per mode (NOTE [Timing on a
-    drifting host]): the same work in every mode (op counts, FLOPs, kept bytes) costs the same time,
-    and the mean over the group is the steadier reading. Layers that differ (a MoE layer between
-    dense ones, sliding-window attention next to global) keep their own."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for position in range(count):
-        groups[tuple((p.forward_ops.get(position), p.backward_ops.get(position), p.backward_flops.get(position),
-                      p.kept.get(position)) for p in profiles.values())].append(position)
-    for positions in groups.values():
-        for profile in profiles.values():
-            mean = statistics.fmean(profile.seconds[p] for p in positions)
-            profile.seconds.update(dict.fromkeys(positions, mean))
+def _profiled_run(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module],
+                  run_mode: Callable[[Any], Callable[[], None]], assignment: str | tuple[str, ...]) -> ModeProfile:
+    undo = run_mode(assignment)
+    try:
+        return _profiled_step(model, sample, layer_modules)
+    finally:
+        undo()
+        model.zero_grad(set_to_none=True)
+
+
+# NOTE [Identical layers measured once]
+# Planning is paid for in training steps (a profiled step costs about four plain ones), so a
+# layer's cost under a mode is measured once per group of identical layers: layers of one class
+# with the same parameter shapes that, profiled without recompute, run the same ops, FLOPs and
+# kept bytes. One step then runs a different mode on each member of a group (the first of four
+# identical layers in ``pointwise``, the second in ``selective``...), and each member's costs
+# stand for the whole group: a model of identical layers is profiled in two steps (``off``, then
+# the other four modes side by side) rather than five, and timed in rounds of one or two steps
+# (every mode on some member of each group, ``off`` on two where the group is large enough: the
+# control of NOTE [Timing on a drifting host]). A layer's residual peaks are taken against the
+# kept bytes of the layers behind it under that step's own modes (NOTE [Peak phases]), so they
+# do not depend on what its neighbours ran. Without recompute a layer's backward residual does
+# depend on where it sits (tiny Llama: 16 KiB less per layer, the gradients of what all layers
+# share), which is why the groups are formed from the ``off`` step's work, not its peaks; under
+# the recompute modes the residual measured on one member is every member's (the replay's
+# transient dominates). Layers unlike any other get one step per mode.
+
+_PER_LAYER = ("kept", "forward_peak", "backward_peak", "backward_flops", "forward_ops", "backward_ops", "work",
+              "offloadable")
+_SAME_WORK = ("kept", "backward_flops", "forward_ops", "backward_ops")
+
+
+def _identical_groups(layer_modules: Sequence[nn.Module], off: ModeProfile) -> list[tuple[int, ...]]:
+    """Per position, the positions of the layers identical to it (itself included, in order)."""
+    members: dict[tuple, list[int]] = defaultdict(list)
+    for position, module in enumerate(layer_modules):
+        shapes = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters())
+        members[(type(module), shapes, *(getattr(off, field).get(position) for field in _SAME_WORK))].append(position)
+    group_of = {position: tuple(group) for group in members.values() for position in group}
+    return [group_of[position] for position in range(len(layer_modules))]
+
+
+def _assignments(groups: list[tuple[int, ...]], modes: Sequence[str], count: int,
+                 start: int = 0, fill: bool = False) -> list[tuple[str, ...]]:
+    """Per-layer modes of the fewest steps that run every mode on some member of each group; the
+    ``j``-th member runs ``modes[(start + j + k * size) % len(modes)]`` in step ``k``. With ``fill``
+    every member runs a mode in every step (a large group runs some twice); without, members past
+    the last mode run ``off``."""
+    steps = max(math.ceil(len(modes) / len(group)) for group in groups)
+    plans = []
+    for step in range(steps):
+        plan = []
+        for position in range(count):
+            group = groups[position]
+            slot = group.index(position) + step * len(group)
+            plan.append(modes[(start + slot) % len(modes)] if fill or slot < len(modes) else "off")
+        plans.append(tuple(plan))
+    return plans
+
+
+def _copy(profile: ModeProfile) -> ModeProfile:
+    return dataclasses.replace(profile, **{field: dict(getattr(profile, field)) for field in _PER_LAYER})
+
+
+def _take(target: ModeProfile, source: ModeProfile, position: int, member: int) -> None:
+    """Layer ``member``'s entries in ``target`` become those layer ``position`` measured in ``source``."""
+    for field in _PER_LAYER:
+        table = getattr(target, field)
+        value = getattr(source, field).get(position)
+        if value is None:
+            table.pop(member, None)
+        else:
+            table[member] = value
 
 
 # NOTE [Timing on a drifting host]
 # A shared host's speed drifts: on a 2-core CI machine the same step's thread CPU time varies
 # 1.4-1.7x from one step to the next. Modes timed one after another (all of one mode's steps, then
 # the next's) then compare readings from different speeds, and the plan follows the noise (a mode
-# timed in a fast moment looks cheap). So the modes are timed in interleaved rounds (one step per
-# mode a round, the order shuffled by a seeded generator of its own), each reading is divided by
-# the ``off`` step of its round, and a layer's seconds are the median of those ratios times the
-# median ``off`` step: a plan's predicted time is on the scale of the median step, and its ratio
-# to ``off`` is the median of per-round ratios that ``benchmarks/planner_targets.py`` measures.
-# The profiled step before the rounds warms each mode up (first-call costs stay out of the rounds).
-# Small models get more rounds than asked, while they fit in ``TIMING_SECONDS`` (up to
-# ``MAX_ROUNDS_FACTOR`` times as many): where a step takes milliseconds, the extra rounds cost
-# little and make the medians steadier.
+# timed in a fast moment looks cheap). So the modes are timed in interleaved rounds, each running
+# every mode on some member of each group of identical layers (NOTE [Identical layers measured
+# once]; the modes' places rotate from round to round), each reading is divided by the group's
+# ``off`` readings of its round, and a layer's seconds are the median of those ratios times the
+# median ``off`` reading: a plan's predicted time is on the scale of the median step. The profiled
+# steps before the rounds warm each mode up (first-call costs stay out of the rounds). Rounds stop
+# once at least ``rounds`` ran and the modes' order by seconds (modes within the noise of each
+# other tied) is the one of the round before, or after ``MAX_ROUNDS_FACTOR * rounds`` rounds.
+#
+# The rounds measure their own noise: where a group runs ``off`` on two members in a round, the
+# spread between the two (an off-vs-off control: identical work) is the timing's noise for that
+# group. Where a mode's seconds lie within that noise of what the cost model says (the ``off``
+# seconds plus a cost per replayed FLOP and per extra dispatched op, fitted to the group's
+# readings), the cost model's figure is taken: differences the timing cannot tell apart are
+# decided by replayed FLOPs and dispatched ops, not by the noise (``hyperac demo --plot`` on a
+# loaded machine chose a selective plan that uniform ``full`` beat in both peak and time).
 
-TIMING_SECONDS = 2.0
-MAX_ROUNDS_FACTOR = 3
+MAX_ROUNDS_FACTOR = 2
 
 
 def _timed_rounds(
-    model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: Sequence[str],
-    run_mode: Callable[[str], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
+    model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: list[str],
+    run_mode: Callable[[Any], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
+    groups: list[tuple[int, ...]], profiles: dict[str, ModeProfile],
 ) -> dict[str, dict[int | None, float]]:
     """Per mode, the seconds by layer (``None``: outside the layers) of NOTE [Timing on a drifting host]."""
-    readings: dict[str, list[dict[int | None, float]]] = {mode: [] for mode in modes}
-    order, shuffle = list(modes), random.Random(0).shuffle
-    start = time.perf_counter()
+    count = len(layer_modules)
+    heads = sorted(set(group[0] for group in groups))
+    ratios: dict[tuple[int, str], list[float]] = defaultdict(list)
+    scales: dict[int, list[float]] = defaultdict(list)
+    spreads: dict[int, list[float]] = defaultdict(list)
+    outside: list[float] = []
+    ranking = None
     for done in range(MAX_ROUNDS_FACTOR * rounds):
-        if done >= rounds and time.perf_counter() - start >= TIMING_SECONDS:
-            break
-        shuffle(order)
-        for mode in order:
-            undo = run_mode(mode)
+        readings: dict[tuple[int, str], list[float]] = defaultdict(list)
+        for assignment in _assignments(groups, modes, count, start=done, fill=True):
+            undo = run_mode(assignment)
             try:
-                readings[mode].append(_timed_step(model, sample, layer_modules, synchronize))
+                seconds = _timed_step(model, sample, layer_modules, synchronize)
             finally:
                 undo()
-    reference = [sum(step.values()) for step in readings["off" if "off" in readings else modes[0]]]
-    scale = statistics.median(reference)
-    return {
-        mode: {key: scale * statistics.median(step[key] / total for step, total in zip(steps, reference))
-               for key in steps[0]}
-        for mode, steps in readings.items()
-    }
+            outside.append(seconds[None])
+            for position, mode in enumerate(assignment):
+                readings[groups[position][0], mode].append(seconds[position])
+        for head in heads:
+            offs = readings[head, "off"]
+            reference = statistics.fmean(offs)
+            scales[head].append(reference)
+            if len(offs) > 1 and reference > 0:
+                spreads[head].append((max(offs) - min(offs)) / reference)
+            for mode in modes:
+                ratios[head, mode].append(statistics.fmean(readings[head, mode]) / reference if reference else 0.0)
+        order = [_ranking({m: statistics.median(ratios[head, m]) for m in modes},
+                          statistics.median(spreads[head]) if spreads[head] else 0.0) for head in heads]
+        if done + 1 >= rounds and order == ranking:
+            break
+        ranking = order
+    result: dict[str, dict[int | None, float]] = {mode: {None: statistics.median(outside)} for mode in modes}
+    for head in heads:
+        scale = statistics.median(scales[head])
+        measured = {mode: scale * statistics.median(ratios[head, mode]) for mode in modes}
+        noise = scale * statistics.median(spreads[head]) if spreads[head] else 0.0
+        decided = _decide_within_noise(measured, noise, profiles, head)
+        for mode in modes:
+            result[mode].update(dict.fromkeys(groups[head], decided[mode]))
+    return result
+
+
+def _ranking(ratios: dict[str, float], noise: float) -> list[frozenset[str]]:
+    """The modes from fastest to slowest, those within ``noise`` of the one before tied together."""
+    ranked: list[list[str]] = []
+    previous = None
+    for mode in sorted(ratios, key=ratios.get):
+        if previous is None or ratios[mode] - ratios[previous] > noise:
+            ranked.append([])
+        ranked[-1].append(mode)
+        previous = mode
+    return [frozenset(tie) for tie in ranked]
+
+
+def _decide_within_noise(measured: dict[str, float], noise: float, profiles: dict[str, ModeProfile],
+                         position: int) -> dict[str, float]:
+    """Each mode's seconds: the cost model's where the measurement is within ``noise`` of it
+    (NOTE [Timing on a drifting host]). The model: the ``off`` seconds plus ``a`` per replayed
+    FLOP plus ``b`` per extra dispatched op, ``a, b >= 0`` fitted by least squares."""
+    off = profiles["off"]
+
+    def extra(mode: str) -> tuple[float, float]:
+        profile = profiles[mode]
+        flops = profile.backward_flops.get(position, 0) - off.backward_flops.get(position, 0)
+        ops = sum(getattr(profile, f).get(position, 0) - getattr(off, f).get(position, 0)
+                  for f in ("forward_ops", "backward_ops"))
+        return float(max(flops, 0)), float(max(ops, 0))
+
+    rows = [(*extra(mode), measured[mode] - measured["off"]) for mode in measured if mode != "off"]
+    a, b = _nonnegative_fit(rows)
+    modelled = {mode: measured["off"] + a * extra(mode)[0] + b * extra(mode)[1] for mode in measured}
+    return {mode: modelled[mode] if abs(measured[mode] - modelled[mode]) <= noise else measured[mode]
+            for mode in measured}
+
+
+def _nonnegative_fit(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(a, b) >= 0`` minimising the squares of ``a * x + b * y - z`` over ``rows`` of ``(x, y, z)``."""
+    sxx, syy, sxy = (sum(r[i] * r[j] for r in rows) for i, j in ((0, 0), (1, 1), (0, 1)))
+    sxz, syz = (sum(r[i] * r[2] for r in rows) for i in (0, 1))
+    det = sxx * syy - sxy * sxy
+    if det > 0:
+        a, b = (sxz * syy - syz * sxy) / det, (syz * sxx - sxz * sxy) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    only_a = max(sxz / sxx, 0.0) if sxx else 0.0
+    only_b = max(syz / syy, 0.0) if syy else 0.0
+
+    def residual(a: float, b: float) -> float:
+        return sum((a * x + b * y - z) ** 2 for x, y, z in rows)
+
+    return min(((only_a, 0.0), (0.0, only_b)), key=lambda ab: residual(*ab))
