@@ -205,8 +205,8 @@ def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[s
     layers = tuple(LayerPlan(layer.index, layer.fqn, mode, () if mode in ("off", "swap") else (layer.fqn,), (), swap,
                              layer.found_by)
                    for layer, mode, swap in zip(discover_layers(model), modes, swaps))
-    plan_ = Plan(backend=device, adapter="none", layers=layers, notes=(f"planned by hyperac plan for {device}",),
-                 **predictions)
+    notes = (f"planned by hyperac plan for {device}", *predictions.pop("notes"))
+    plan_ = Plan(backend=device, adapter="none", layers=layers, notes=notes, **predictions)
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(plan_.to_dict(), handle, indent=1)
