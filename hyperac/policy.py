@@ -106,13 +106,16 @@ class OpSets:
     keep: frozenset
     recompute: frozenset
     ignored: frozenset
+    communication: frozenset = frozenset()
+    """The collectives among ``keep``: their outputs are kept in every recording mode and never
+    replayed (a replayed collective would run again on one rank only)."""
     table: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     """``id(op) -> (kind, written arguments, keyed)``, filled as ops are first seen; ids are stable
     because the table also holds the op (ops are never freed while it exists)."""
 
     def __reduce__(self) -> tuple:
         # The table is keyed by ids of this process: a copy or an unpickled OpSets starts empty.
-        return OpSets, (self.matmul, self.keep, self.recompute, self.ignored)
+        return OpSets, (self.matmul, self.keep, self.recompute, self.ignored, self.communication)
 
     def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool]:
         """``(kind, written arguments, keyed)`` of ``op``; cached."""
@@ -145,14 +148,15 @@ def resolve_op_sets(backend: Backend) -> OpSets:
     _import_fsdp_ops()
     matmul = _all_overloads(_MATMUL_OPS)
     recompute = _all_overloads(_ALWAYS_RECOMPUTE_OPS)
+    communication = backend.communication_ops() - matmul - recompute
     keep = (
         _all_overloads(_ALWAYS_KEEP_OPS)
         | backend.attention_ops()
-        | backend.communication_ops()
+        | communication
         | resolve_ops(["higher_order::flex_attention"])
     ) - matmul - recompute
     ignored = _all_overloads(_PROFILER_OPS + _FSDP_LIFECYCLE_OPS)
-    return OpSets(matmul=matmul, keep=keep, recompute=recompute, ignored=ignored)
+    return OpSets(matmul=matmul, keep=keep, recompute=recompute, ignored=ignored, communication=communication)
 
 
 class SelectivePolicy:
@@ -327,6 +331,8 @@ class _RecordingMode(_EagerMode):
         self.on_save = on_save
         self.kept_storages: dict[int, list[tuple[_Kept, int]]] = {}
         self.saves: _AutogradSaves | None = None
+        self.collectives: set[int] = set()
+        """Tape positions of kept collective outputs, which :meth:`_AutogradSaves.prune` leaves kept."""
 
     def __enter__(self):
         # Outside checkpoint's saved-tensor hooks (none to look through) nothing is weighed.
@@ -346,7 +352,7 @@ class _RecordingMode(_EagerMode):
             if self.saves is not None:
                 self.saves.close()
                 if exc_type is None:
-                    self.saves.prune(self.tape)
+                    self.saves.prune(self.tape, self.collectives)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -360,6 +366,8 @@ class _RecordingMode(_EagerMode):
         out = func(*args, **kwargs)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
         self.tape.entries.append(self._keep(func, out) if kind >= _MATMUL and self.policy.keeps(kind) else None)
+        if func in self.policy.ops.communication:
+            self.collectives.add(len(self.tape.entries) - 1)
         return out
 
     def _keep(self, func: Any, out: Any) -> _Kept:
@@ -436,16 +444,18 @@ class _AutogradSaves:
     def close(self) -> None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
 
-    def prune(self, tape: _Tape) -> None:
+    def prune(self, tape: _Tape, collectives: set[int]) -> None:
         """Once the region's forward is done: forget the kept outputs autograd did not save, where
         they cost more than what the un-applied layer would keep and the region freed (NOTE [Never
-        keep more than off])."""
+        keep more than off]). Collectives (tape positions ``collectives``) stay kept: they are never
+        replayed."""
         kept = {id(s): s for entry in tape.entries if isinstance(entry, _Kept) for s in _storages(entry)}
         unsaved = sum(s.nbytes() for s in kept.values() if not self._has(s))
         if unsaved <= sum(nbytes for ref, nbytes in self.sizes if ref() is None):
             return
         for position, entry in enumerate(tape.entries):
-            if isinstance(entry, _Kept) and not any(self._has(s) for s in _storages(entry)):
+            if (isinstance(entry, _Kept) and position not in collectives
+                    and not any(self._has(s) for s in _storages(entry))):
                 tape.entries[position] = None
 
 

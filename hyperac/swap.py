@@ -640,7 +640,7 @@ class SwapManager:
             warn_once(
                 f"a {list(tensor.shape)} tensor saved for backward is in the {self.backend.name} internal format "
                 f"{layout}; swap copies raw storage bytes, which would come back read as plain layout, so it stays "
-                "on the device (skipped as 'format'). Cast it to the plain format (torch_npu.npu_format_cast(t, 2)) "
+                f"on the device (skipped as 'format'). Cast it to the plain format ({self.backend.plain_format_cast}) "
                 "before it is saved to swap it.", self.warned,
             )
             return "format"

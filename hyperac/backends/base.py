@@ -204,6 +204,9 @@ class Backend:
         ``None`` where unknown. :data:`HOST_LINK_ENV` overrides it."""
         return host_link_override()
 
+    plain_format_cast = "a copy in the plain format"
+    """How a user casts a tensor out of an :meth:`internal_format`, for messages."""
+
     def internal_format(self, tensor: torch.Tensor) -> str | None:
         """The name of the device-private layout ``tensor``'s storage bytes are in (an NPU's
         FRACTAL_NZ), or ``None`` when they are the plain strided layout a copy of them keeps."""

@@ -65,6 +65,8 @@ class NpuBackend(DeviceModuleBackend):
     def communication_ops(self) -> frozenset:
         return resolve_ops(_GENERIC_COMMUNICATION_OPS + _NPU_COMMUNICATION_OPS)
 
+    plain_format_cast = "torch_npu.npu_format_cast(t, 2)"
+
     def internal_format(self, tensor: torch.Tensor) -> str | None:
         """NOTE [NPU internal formats]
         torch_npu may keep a tensor's storage in a private layout (FRACTAL_NZ for matmul
