@@ -22,9 +22,10 @@ In eager mode hyperac records and replays with its own dispatch modes (``_Record
 ``_ReplayMode``) on PyTorch's ``checkpoint(context_fn=...)``, rather than PyTorch's selective
 checkpoint modes: a replay checks each op against the forward, survives a second backward, and
 replays writes into kept outputs once (NOTE [Writes into kept outputs], NOTE [Replays that cannot
-use the tape]); and it costs less per op. ``compile=True`` uses PyTorch's modes, which the compiler
-understands. Private torch internals used: ``_detach_helper``, ``SAC_IGNORED_OPS``,
-``_sac_storage_key`` (for compiled regions inside an eager region).
+use the tape]); and it costs less per op. ``compile=True`` runs the same policy in PyTorch's modes,
+which the compiler understands (NOTE [Selective recompute under torch.compile]). Private torch
+internals used: ``_detach_helper``, ``SAC_IGNORED_OPS``, ``_sac_storage_key`` (for compiled regions
+inside an eager region).
 """
 
 from __future__ import annotations
@@ -180,14 +181,6 @@ class SelectivePolicy:
         if self.keeps(kind):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_RECOMPUTE if kind == _RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def stateless_policy(ops: OpSets, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The ``compile=True`` policy: no counters, so it keeps every matmul."""
-    kind = ops.classify(op)[0]
-    if kind == _RECOMPUTE:
-        return CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if kind >= _MATMUL else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # Set while a module that a recompute region excludes runs its forward: its ops are neither
@@ -482,8 +475,25 @@ def selective_contexts(
     )
 
 
-def compile_context_fn(ops: OpSets) -> Callable[[], tuple[Any, Any]]:
-    """The ``context_fn`` for layers that run under ``torch.compile`` (PyTorch's own SAC modes)."""
-    return functools.partial(
-        torch_recompute.create_selective_checkpoint_contexts, functools.partial(stateless_policy, ops)
-    )
+def compiled_contexts(ops: OpSets, mode: str) -> tuple[Any, Any]:
+    """PyTorch's selective checkpoint contexts around a fresh :class:`SelectivePolicy` (``compile=True``).
+
+    NOTE [Selective recompute under torch.compile]
+    Under ``torch.compile`` the policy runs while AOTAutograd traces the region's forward, once per
+    op, and its decision becomes the op node's ``recompute`` tag, which the partitioner obeys:
+    ``MUST_SAVE`` outputs are saved, the rest recomputed in the backward graph. So the counting
+    policy of eager mode works unchanged: ``selective`` keeps the odd-numbered matmuls of each
+    region, ``selective-even`` the even-numbered ones, ``pointwise`` all of them, and the compiled
+    layer saves what the eager one does. The counter is fresh per trace (``context_fn`` is called
+    per region invocation), and the policy is called at trace time only: nothing of it runs per
+    step.
+    """
+    return torch_recompute.create_selective_checkpoint_contexts(SelectivePolicy(ops, mode))
+
+
+def compile_context_fn(ops: OpSets, mode: str) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` for layers that run under ``torch.compile``: a ``functools.partial``, the
+    form dynamo accepts, whose guards (the function, ``ops`` and ``mode``) are equal for every layer
+    of one mode in one apply, so those layers share one graph (NOTE [One graph per layer plan] in
+    recompute.py)."""
+    return functools.partial(compiled_contexts, ops, mode)

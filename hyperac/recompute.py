@@ -122,10 +122,15 @@ class RecomputeContext:
         self.swap_outputs = swap_outputs
         self.layer, self.index = layer, index
         self._ops = ops
-        self._compiled: Callable[[], tuple[Any, Any]] | None = None
+        # Built here, not in the traced frame (NOTE [One graph per layer plan]).
+        self._compiled = compile_context_fn(self.ops, mode) if compile else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_ops": None, "_compiled": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._compiled = compile_context_fn(self.ops, self.mode) if self.compile else None
 
     @property
     def ops(self) -> OpSets:
@@ -135,11 +140,7 @@ class RecomputeContext:
 
     def context_fn(self) -> Callable[[], tuple[Any, Any]]:
         """What to pass as ``context_fn``: under ``torch.compile`` a function the compiler accepts."""
-        if not self.compile:
-            return self
-        if self._compiled is None:
-            self._compiled = compile_context_fn(self.ops)
-        return self._compiled
+        return self._compiled if self.compile else self
 
     def __call__(self) -> tuple[Any, Any]:
         if self.mode in SELECTIVE_MODES:
@@ -249,10 +250,11 @@ class _CacheAsBefore:
 
 class _Region:
     """One recomputed call of a module's forward: ``torch.utils.checkpoint`` runs it once in forward
-    and again for each replay (keyword arguments bound here, so none clash with checkpoint's own)."""
+    and again for each replay (keyword arguments bound here, so none clash with checkpoint's own).
+    ``override`` names the layer in errors; it is read only then (NOTE [One graph per layer plan])."""
 
-    def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], fqn: str) -> None:
-        self.call, self.kwargs, self.fqn = call, kwargs, fqn
+    def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], override: Override) -> None:
+        self.call, self.kwargs, self.override = call, kwargs, override
         self.caches = [_CacheAsBefore(name, kwargs[name]) for name in CACHE_KWARGS if kwargs.get(name) is not None]
         self.forward_done = False
 
@@ -262,7 +264,7 @@ class _Region:
         if not self.forward_done:
             self.forward_done = True
             return self.call(*args, **self.kwargs)
-        replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
+        replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.override.fqn) for cache in self.caches}}
         return self.call(*args, **replay_kwargs)
 
 
@@ -284,7 +286,7 @@ class RecomputedForward(Override):
         module, call = self.module_and_forward()
         if not _training(module):
             return call(*args, **kwargs)
-        region = _Region(call, kwargs, self.fqn)
+        region = _Region(call, kwargs, self)
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)

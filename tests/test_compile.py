@@ -173,3 +173,56 @@ def test_inductor(base_model, loss_fn, reference):
     for layer in model.model.layers:
         layer.compile(backend="inductor")
     assert_parity(reference, train_step(model, loss_fn), exact=False)
+
+
+DEEP_PLANS = {
+    "full": dict(mode="full"),
+    "selective": dict(mode="selective"),
+    "mixed": dict(layers={"0-2": "full", "3-5": "selective", "6-8": "pointwise", "9-10": "selective-even", 11: "off"}),
+}
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+    """12 layers, more than dynamo's default ``recompile_limit`` (8); no KV cache, as in training."""
+    return tiny_llama(num_layers=12, hidden_size=32, intermediate_size=64, use_cache=False)
+
+
+def compiled_deep_step(model, loss_fn, options, per_layer):
+    """Apply ``options`` (``None``: leave hyperac out), compile per layer or the whole model with a
+    counting ``aot_eager``, train one step; return the step and the counter. Hitting the recompile
+    limit raises instead of running layers uncompiled."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if options is not None:
+        hyperac.apply(model, compile=True, **options)
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        if per_layer:
+            for layer in model.model.layers:
+                layer.compile(backend=counter)
+            step = train_step(model, loss_fn)
+        else:
+            step = train_step(torch.compile(model, backend=counter), loss_fn)
+    return step, counter, {layer.mode for layer in hyperac.applied_plan(model).layers} if options else {"off"}
+
+
+@pytest.fixture(scope="module")
+def deep_reference(deep_model, loss_fn):
+    """The deep model's step with its layers compiled (``aot_eager``) and no hyperac: one graph."""
+    step, counter, _ = compiled_deep_step(copy.deepcopy(deep_model), loss_fn, None, per_layer=True)
+    assert counter.frame_count == 1
+    return step
+
+
+@pytest.mark.parametrize("plan", list(DEEP_PLANS))
+def test_deep_model_shares_one_graph_per_layer_plan(deep_model, deep_reference, loss_fn, plan):
+    """Invariant 14 (NOTE [One graph per layer plan]): per-layer ``layer.compile()`` of a 12-layer
+    model compiles one graph per distinct layer plan, reuses it in every layer (no recompile limit
+    hit, no graph break), and gives the gradients of the compiled model without hyperac."""
+    step, counter, modes = compiled_deep_step(copy.deepcopy(deep_model), loss_fn, DEEP_PLANS[plan], per_layer=True)
+    assert_parity(deep_reference, step, exact=True)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert counter.frame_count == len(modes), (counter.frame_count, modes)
