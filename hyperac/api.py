@@ -13,6 +13,7 @@ from torch import nn
 from . import _compat, _hf
 from .adapters import Adapter, find_adapter, resolve_regions
 from .backends import Backend, get_backend
+from .compiled import mechanism_note, require_offloading
 from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
@@ -25,6 +26,7 @@ from .planner import (
     plan_swaps,
     remove_first_step_check,
 )
+from .planner.auto import _link_bandwidth
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap
 from .state import STATE_KEY, AppliedState, find_owned, undo
@@ -149,15 +151,19 @@ def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[
     if not any(wanted):
         return wanted
     reason = None
-    if config.compile:
-        reason = "swap is not supported with compile=True (torch.compile cannot trace the copies)"
-    elif not backend.can_swap:
+    if not backend.can_swap:
         reason = f"swap has no effect on the {backend.name!r} backend (activations already live in host memory)"
     if reason is not None:
         message = f"{reason}; tensors stay on the device and 'swap' layers behave as 'off'."
         warnings.warn(message, HyperACWarning, stacklevel=3)
         notes.append(message)
         return [False] * len(modes)
+    if config.compile and any(w and mode == "full" for w, mode in zip(wanted, modes)):
+        message = ("under compile=True a 'full' layer's input cannot be offloaded (it is the previous graph's "
+                   "output); those layers recompute and keep their input on the device.")
+        warnings.warn(message, HyperACWarning, stacklevel=3)
+        notes.append(message)
+        wanted = [w and mode != "full" for w, mode in zip(wanted, modes)]
     return wanted
 
 
@@ -236,14 +242,20 @@ def apply(
         roots, excluded = regions.get(layer.fqn, ((), ()))
         layer_plans.append(LayerPlan(layer.index, layer.fqn, mode, tuple(f for f, _ in roots),
                                      tuple(f for f, _ in excluded), swap and i != last_swap, layer.found_by))
+    if config.compile:
+        notes.append(mechanism_note(modes, [layer.swap for layer in layer_plans]))
     result = Plan(
         backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )
     _compat.require_for(modes, swaps, config)
-    ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) else None
-    manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if any(swaps) else None
+    ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) or config.compile else None
+    eager_swap = any(swaps) and not config.compile
+    manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if eager_swap else None
     state = AppliedState(result, type(model).__name__, manager)
     try:
+        if config.compile and any(layer.swap for layer in layer_plans):
+            state.offload = require_offloading(
+                _link_bandwidth(chosen_backend), separate_stream=chosen_backend.device_type != "cpu")
         _install(found, modes, swaps, last_swap, regions, chosen_backend, ops, config, state, planned_swaps)
         if any(layer.recomputed for layer in layer_plans):
             _hf.install_training_cache_defaults(named_modules, state)
@@ -275,6 +287,9 @@ def _install(
     for index, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
             continue
+        if config.compile:  # NOTE [Swap under torch.compile] in compiled.py
+            _install_compiled(layer, mode, swap and index != last_swap, regions, backend, ops, state, claim)
+            continue
         saved_tensors = mode == "swap" or config.swap_inputs or bool(planned_swaps and planned_swaps[index])
         layer_swap = LayerSwap(state.swap, index != last_swap, saved_tensors) if swap else None
         if mode == "swap":
@@ -292,6 +307,18 @@ def _install(
         for fqn, module in roots:
             if claim(module):
                 install_recompute(module, state, fqn, context, layer_swap)
+
+
+def _install_compiled(layer: Layer, mode: str, offloads: bool, regions: dict, backend: Backend, ops: OpSets | None,
+                      state: AppliedState, claim: Callable[[nn.Module], bool]) -> None:
+    """Install one ``compile=True`` layer: a region the compiler traces, its swap as offload tags."""
+    if mode == "swap" and not offloads:
+        return  # the last layer of a swap chain keeps its tensors: as 'off'
+    roots = regions[layer.fqn][0] if layer.fqn in regions else ((layer.fqn, layer.module),)
+    context = build_context_fn(mode, backend, ops, compile=True, has_exclusions=False, swap_outputs=offloads)
+    for fqn, module in roots:
+        if claim(module):
+            install_recompute(module, state, fqn, context)
 
 
 def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:

@@ -162,11 +162,13 @@ class SelectivePolicy:
     and replay always agree.
     """
 
-    def __init__(self, ops: OpSets, mode: str = "selective") -> None:
+    def __init__(self, ops: OpSets, mode: str = "selective", offload: bool = False) -> None:
         self.ops = ops
         self.num_matmuls = 0
         self.keep_every_matmul = mode == "pointwise"
         self.kept_parity = 0 if mode == "selective-even" else 1
+        # Under compile, kept outputs of a swapping layer go to host memory (NOTE [Swap under torch.compile]).
+        self.kept = CheckpointPolicy.MUST_CPU_OFFLOAD if offload else CheckpointPolicy.MUST_SAVE
 
     def keeps(self, kind: int) -> bool:
         """Whether the next op of ``kind`` (see :meth:`OpSets.classify`) keeps its output."""
@@ -179,7 +181,7 @@ class SelectivePolicy:
         """The decision for ``op`` in PyTorch's policy-function form."""
         kind = self.ops.classify(op)[0]
         if self.keeps(kind):
-            return CheckpointPolicy.MUST_SAVE
+            return self.kept
         return CheckpointPolicy.MUST_RECOMPUTE if kind == _RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -475,8 +477,14 @@ def selective_contexts(
     )
 
 
-def compiled_contexts(ops: OpSets, mode: str) -> tuple[Any, Any]:
-    """PyTorch's selective checkpoint contexts around a fresh :class:`SelectivePolicy` (``compile=True``).
+def _offload_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``compile=True`` policy of a ``swap`` layer: what the partitioner saves goes to host memory."""
+    return CheckpointPolicy.PREFER_CPU_OFFLOAD
+
+
+def compiled_contexts(ops: OpSets, mode: str, offload: bool) -> tuple[Any, Any]:
+    """PyTorch's selective checkpoint contexts around a fresh :class:`SelectivePolicy` (``compile=True``);
+    ``offload``: the layer swaps (NOTE [Swap under torch.compile] in compiled.py).
 
     NOTE [Selective recompute under torch.compile]
     Under ``torch.compile`` the policy runs while AOTAutograd traces the region's forward, once per
@@ -488,12 +496,13 @@ def compiled_contexts(ops: OpSets, mode: str) -> tuple[Any, Any]:
     per region invocation), and the policy is called at trace time only: nothing of it runs per
     step.
     """
-    return torch_recompute.create_selective_checkpoint_contexts(SelectivePolicy(ops, mode))
+    policy = _offload_saved if mode == "swap" else SelectivePolicy(ops, mode, offload)
+    return torch_recompute.create_selective_checkpoint_contexts(policy)
 
 
-def compile_context_fn(ops: OpSets, mode: str) -> Callable[[], tuple[Any, Any]]:
+def compile_context_fn(ops: OpSets, mode: str, offload: bool = False) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` for layers that run under ``torch.compile``: a ``functools.partial``, the
     form dynamo accepts, whose guards (the function, ``ops`` and ``mode``) are equal for every layer
     of one mode in one apply, so those layers share one graph (NOTE [One graph per layer plan] in
     recompute.py)."""
-    return functools.partial(compiled_contexts, ops, mode)
+    return functools.partial(compiled_contexts, ops, mode, offload)

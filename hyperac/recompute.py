@@ -123,14 +123,14 @@ class RecomputeContext:
         self.layer, self.index = layer, index
         self._ops = ops
         # Built here, not in the traced frame (NOTE [One graph per layer plan]).
-        self._compiled = compile_context_fn(self.ops, mode) if compile else None
+        self._compiled = compile_context_fn(self.ops, mode, swap_outputs) if compile else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_ops": None, "_compiled": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._compiled = compile_context_fn(self.ops, self.mode) if self.compile else None
+        self._compiled = compile_context_fn(self.ops, self.mode, self.swap_outputs) if self.compile else None
 
     @property
     def ops(self) -> OpSets:
@@ -168,10 +168,12 @@ def build_context_fn(
     """The context of regions of ``mode``, or ``None`` for PyTorch's default (full recompute).
 
     ``layer`` and ``index`` (fqn and flat index of the layer the region belongs to) name it in errors.
+    Under ``compile``, ``swap_outputs`` offloads what the layer keeps (``mode="swap"``: everything it
+    saves; NOTE [Swap under torch.compile] in compiled.py).
     """
     if mode == "full" and not has_exclusions and not compile:
         return None
-    if compile and mode not in SELECTIVE_MODES:
+    if compile and mode not in SELECTIVE_MODES and not (mode == "swap" and swap_outputs):
         return None
     return RecomputeContext(
         mode, backend, ops, compile=compile, has_exclusions=has_exclusions, swap_outputs=swap_outputs,
