@@ -26,7 +26,8 @@ from .planner import (
     plan_swaps,
     remove_first_step_check,
 )
-from .planner.auto import _link_bandwidth
+from .planner.auto import TIMED_ROUNDS, _link_bandwidth
+from .planner.compiled import compiled_auto_modes
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap
 from .state import STATE_KEY, AppliedState, find_owned, undo
@@ -221,6 +222,11 @@ def apply(
         modes = _modes_from_plan(config.plan, found)
         if any(layer.swap for layer in config.plan.layers):  # the layers that offloaded offload again
             modes, planned_swaps = plan_swaps(modes, [layer.swap for layer in config.plan.layers])
+    elif config.mode == "auto" and config.compile:  # plan for compiled layers (planner/compiled.py)
+        modes, planned_swaps, prediction = compiled_auto_modes(
+            model, found, config.budget, config.sample,
+            _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
+            chosen_backend, TIMED_ROUNDS)
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
@@ -260,7 +266,7 @@ def apply(
         if any(layer.recomputed for layer in layer_plans):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
-        if result.predicted_bytes is not None:
+        if result.predicted_bytes is not None and not config.compile:  # eager bytes; compiled: saved bytes
             install_first_step_check(model, result.predicted_bytes)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
@@ -331,14 +337,18 @@ def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
     return [layer.mode for layer in plan.layers]
 
 
-def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
+def _containers(found: list[Layer]) -> list[str]:
+    return list(dict.fromkeys(layer.container for layer in found))
+
+
+def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Callable:
     """``runner(model, containers)(mode) -> undo``: apply one mode to every layer (for profiling)."""
 
     def for_model(model: nn.Module, containers: list[str] | None) -> Callable[[str], Callable[[], None]]:
         def run(mode: str) -> Callable[[], None]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", HyperACWarning)
-                apply(model, mode=mode, backend=backend, layers=containers, adapter=adapter)
+                apply(model, mode=mode, backend=backend, layers=containers, adapter=adapter, compile=compile)
             return lambda: remove(model)
 
         return run
