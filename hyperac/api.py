@@ -254,7 +254,7 @@ def apply(
         backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )
     _compat.require_for(modes, swaps, config)
-    ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) or config.compile else None
+    ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) else None
     eager_swap = any(swaps) and not config.compile
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if eager_swap else None
     state = AppliedState(result, type(model).__name__, manager)

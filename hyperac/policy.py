@@ -482,9 +482,10 @@ def _offload_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPo
     return CheckpointPolicy.PREFER_CPU_OFFLOAD
 
 
-def compiled_contexts(ops: OpSets, mode: str, offload: bool) -> tuple[Any, Any]:
+def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool) -> tuple[Any, Any]:
     """PyTorch's selective checkpoint contexts around a fresh :class:`SelectivePolicy` (``compile=True``);
-    ``offload``: the layer swaps (NOTE [Swap under torch.compile] in compiled.py).
+    ``offload``: the layer swaps (NOTE [Swap under torch.compile] in compiled.py). Called while the
+    region is traced, not per step: the op sets are resolved then.
 
     NOTE [Selective recompute under torch.compile]
     Under ``torch.compile`` the policy runs while AOTAutograd traces the region's forward, once per
@@ -496,13 +497,13 @@ def compiled_contexts(ops: OpSets, mode: str, offload: bool) -> tuple[Any, Any]:
     per region invocation), and the policy is called at trace time only: nothing of it runs per
     step.
     """
-    policy = _offload_saved if mode == "swap" else SelectivePolicy(ops, mode, offload)
+    policy = _offload_saved if mode == "swap" else SelectivePolicy(resolve_op_sets(backend_type()), mode, offload)
     return torch_recompute.create_selective_checkpoint_contexts(policy)
 
 
-def compile_context_fn(ops: OpSets, mode: str, offload: bool = False) -> Callable[[], tuple[Any, Any]]:
+def compile_context_fn(backend_type: type[Backend], mode: str, offload: bool = False) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` for layers that run under ``torch.compile``: a ``functools.partial``, the
-    form dynamo accepts, whose guards (the function, ``ops`` and ``mode``) are equal for every layer
-    of one mode in one apply, so those layers share one graph (NOTE [One graph per layer plan] in
-    recompute.py)."""
-    return functools.partial(compiled_contexts, ops, mode, offload)
+    form dynamo accepts, of constants only (a function, a class, a string, a bool), which dynamo's
+    guards compare: every layer of one mode shares one graph, in this apply and the next (NOTE [One
+    graph per layer plan] in recompute.py)."""
+    return functools.partial(compiled_contexts, backend_type, mode, offload)

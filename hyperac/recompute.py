@@ -123,14 +123,10 @@ class RecomputeContext:
         self.layer, self.index = layer, index
         self._ops = ops
         # Built here, not in the traced frame (NOTE [One graph per layer plan]).
-        self._compiled = compile_context_fn(self.ops, mode, swap_outputs) if compile else None
+        self._compiled = compile_context_fn(self.backend_type, mode, swap_outputs) if compile else None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_ops": None, "_compiled": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._compiled = compile_context_fn(self.ops, self.mode, self.swap_outputs) if self.compile else None
+        return {**self.__dict__, "_ops": None}
 
     @property
     def ops(self) -> OpSets:
@@ -248,6 +244,17 @@ class _CacheAsBefore:
                     "this layer out of recompute with layers={<its index>: 'off'}."
                 )
         return _structure_copy(self.frozen, {}, [])
+
+
+# NOTE [One graph per layer plan]
+# Under torch.compile, dynamo guards on every Python value the traced frame reads: a layer's name or
+# index read there (``self.fqn``), an object built per layer (a ``context_fn`` made lazily on the
+# first call) or per apply (resolved op sets) makes one graph per layer, and from the ninth layer
+# on (``recompile_limit``) layers run uncompiled, silently. So the traced path of a ``compile=True``
+# layer reads only values equal for every layer of one mode: the override's mode flags, and a
+# ``context_fn`` built at apply from constants (policy.compile_context_fn). The layer's name is read
+# only to word an error, off the traced path. Identical layer plans share one graph, in one model
+# and across applies (the planner's profile compiles the same graphs the plan then uses).
 
 
 class _Region:

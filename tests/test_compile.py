@@ -329,10 +329,8 @@ def test_swap_under_compile_needs_activation_offloading(base_model, monkeypatch)
 
 def test_auto_plans_for_compiled_layers(loss_fn):
     """``mode="auto"`` with ``compile=True`` measures the layers compiled: the budget is a fraction of
-    what compiled ``off`` saves, and the plan fits it when compiled as a user compiles. Its predicted
-    saved bytes are the sum of uniform-mode profiles; on this tiny model an ``off`` layer between
-    ``full`` ones saves about 17 KiB (15%) more than it does among ``off`` layers, which the additive
-    model misses: bounded at 20% here (benchmarks/compiled_peers.py checks 5% at real sizes)."""
+    what compiled ``off`` saves, the plan fits it, and its predicted saved bytes are what the layers
+    save when compiled as a user compiles them (within 5%)."""
     from hyperac.planner.compiled import PROFILE_BACKEND
 
     base = tiny_llama(num_layers=4, hidden_size=32, intermediate_size=64, use_cache=False)
@@ -350,4 +348,4 @@ def test_auto_plans_for_compiled_layers(loss_fn):
         layer.compile(backend=PROFILE_BACKEND)
     measured = compiled_saved_bytes(model, loss_fn)
     assert measured <= plan.budget_bytes * 1.05
-    assert abs(measured - plan.predicted_bytes) <= 0.2 * measured, (measured, plan.predicted_bytes)
+    assert abs(measured - plan.predicted_bytes) <= 0.05 * measured, (measured, plan.predicted_bytes)

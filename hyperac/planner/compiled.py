@@ -3,15 +3,20 @@
 The eager profile (:mod:`.profile`) measures what eager layers keep and how long they take; a
 compiled layer keeps less (the partitioner saves only what backward reads, and recomputes cheap
 ops even in ``off``) and runs at another speed, so a plan made from the eager profile spends its
-budget on the wrong layers. Here every mode is applied with ``compile=True`` and each layer's
-forward compiled (:data:`PROFILE_BACKEND`), and per layer and mode the profile reads:
+budget on the wrong layers. Here every mode is applied uniformly with ``compile=True``, each
+layer compiled as a user compiles it (``layer.compile()``, :data:`PROFILE_BACKEND`), and per mode
+the profile reads, from whole compiled steps:
 
-* the bytes the compiled step saves for backward: ``saved_tensors_hooks`` around the step, each
-  storage counted once, for the layer whose forward saved it first (parameters excluded; saves
-  outside the layers, embeddings and loss, are ``outside_bytes``);
-* the seconds, from timed compiled steps (the eager profile's interleaved rounds, NOTE [Timing on
-  a drifting host] in :mod:`.profile`);
-* the FLOPs replayed: the step's FLOPs over ``off``'s, shared evenly by the layers.
+* the bytes the step saves for backward: ``saved_tensors_hooks`` around it, distinct storages,
+  parameters excluded. No module hook or dispatch mode may be active (either changes the compiled
+  layers' graphs), so the bytes are not attributed per layer: the layers share them evenly and
+  what lies outside the layers (embeddings, loss) is counted in theirs, which keeps every plan's
+  total exact for a stack of identical layers. Layers that differ (a MoE layer among dense ones)
+  are priced at the stack's mean;
+* the seconds of a step, in interleaved rounds, relative to ``off`` per round (NOTE [Timing on a
+  drifting host] in :mod:`.profile`), shared evenly by the layers;
+* the FLOPs replayed: the step's FLOPs over ``off``'s, shared evenly by the layers, counted on an
+  eager step of the same mode (the compiled menu replays what the eager one does).
 
 The solver is the eager one, bounding the bytes kept for backward (``bound="kept"``): a budget is
 a fraction of compiled ``off``'s saved bytes (or bytes), which is what a compiled graph's memory
@@ -23,7 +28,10 @@ generates no code: seconds compare modes, they are not Inductor's.
 
 from __future__ import annotations
 
+import functools
+import random
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +42,7 @@ from ..budget import parse_budget
 from ..discovery import Layer
 from ..measure import flop_counter
 from .cost import ESTIMATE_MODES, Estimate, LayerEstimate
-from .profile import _loss, _timed_rounds, _watch
+from .profile import _loss
 from .restore import side_effects_undone
 from .solver import choose_modes
 
@@ -45,95 +53,70 @@ PROFILE_BACKEND = "aot_eager_decomp_partition"
 
 
 class _Compiled:
-    """``run_mode`` for the profile: apply the mode (``compile=True``), compile each layer's forward;
-    calling the result undoes both."""
+    """One mode applied with ``compile=True`` and each layer compiled as a user compiles it
+    (``layer.compile()``); :meth:`restore` undoes both."""
 
-    def __init__(self, run_mode: Callable[[str], Callable[[], None]], layer_modules: Sequence[nn.Module]) -> None:
-        self.run_mode, self.layer_modules = run_mode, layer_modules
-        self.undo: Callable[[], None] | None = None
-        self.forwards: list[Any] = []
-
-    def __call__(self, mode: str) -> _Compiled:
-        self.undo = self.run_mode(mode)
-        self.forwards = [module.__dict__.get("forward") for module in self.layer_modules]
-        for module in self.layer_modules:
-            module.forward = torch.compile(module.forward, backend=PROFILE_BACKEND)
-        return self
+    def __init__(self, run_mode: Callable[[str], Callable[[], None]], layer_modules: Sequence[nn.Module],
+                 mode: str) -> None:
+        self.layer_modules = layer_modules
+        self.undo = run_mode(mode)
+        for module in layer_modules:
+            module.compile(backend=PROFILE_BACKEND)
 
     def restore(self) -> None:
-        for module, forward in zip(self.layer_modules, self.forwards):
-            if forward is None:
-                del module.__dict__["forward"]
-            else:
-                module.forward = forward
+        for module in self.layer_modules:
+            module._compiled_call_impl = None
         self.undo()
 
 
-class _Restore:
-    """The undo ``_timed_rounds`` calls after each step of one mode."""
-
-    def __init__(self, compiled: _Compiled) -> None:
-        self.compiled = compiled
-
-    def __call__(self) -> None:
-        self.compiled.restore()
+@torch._disable_dynamo  # called from compiled layers: never a frame to compile
+def _pack(saved: dict[int, int], excluded: set[int], tensor: torch.Tensor) -> torch.Tensor:
+    storage = tensor.untyped_storage()
+    if storage.data_ptr() not in excluded:
+        saved[storage.data_ptr()] = storage.nbytes()
+    return tensor
 
 
-class _SavedBytes:
-    """Saved-tensor pack hook that attributes each saved storage to the layer running (layer
-    boundaries from :func:`~.profile._watch`); each storage once, parameters excluded."""
-
-    def __init__(self, parameters: Sequence[torch.Tensor]) -> None:
-        self.excluded = {p.untyped_storage().data_ptr() for p in parameters}
-        self.position: int | None = None
-        self.owners: dict[int, tuple[int | None, int]] = {}
-
-    def boundary(self, position: int, kind: str) -> None:
-        if kind == "forward-start":
-            self.position = position
-        elif kind == "forward-end":
-            self.position = None
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in self.excluded and storage.nbytes():
-            self.owners.setdefault(pointer, (self.position, storage.nbytes()))
-        return tensor
-
-    def by_layer(self) -> dict[int | None, int]:
-        kept: dict[int | None, int] = {}
-        for position, nbytes in self.owners.values():
-            kept[position] = kept.get(position, 0) + nbytes
-        return kept
-
-
-def _saved_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module]) -> dict[int | None, int]:
-    """One compiled step: the bytes it saves for backward, by layer. No dispatch mode is active: one
-    (a FLOP counter) changes what the compiled step saves."""
-    saved = _SavedBytes(list(model.parameters()))
-    handles = _watch(saved, layer_modules)
-    try:
-        torch.manual_seed(0)
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            loss, output = _loss(model, sample)
-            del output
-            loss.backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-    model.zero_grad(set_to_none=True)
-    return saved.by_layer()
-
-
-def _step_flops(model: nn.Module, sample: Any) -> int:
+def _step(model: nn.Module, sample: Any) -> None:
     torch.manual_seed(0)
-    with flop_counter() as flops:
-        loss, output = _loss(model, sample)
-        del output
-        loss.backward()
+    loss, output = _loss(model, sample)
+    del output
+    loss.backward()
     model.zero_grad(set_to_none=True)
+
+
+def _saved_bytes(model: nn.Module, sample: Any) -> int:
+    """The bytes one compiled step saves for backward: distinct storages, parameters excluded. No
+    module hook and no dispatch mode is active: either changes what the compiled layers save."""
+    saved: dict[int, int] = {}
+    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, saved, excluded), _unpack):
+        _step(model, sample)
+    return sum(saved.values())
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _step_flops(model: nn.Module, sample: Any, undo: Callable[[], None]) -> int:
+    """The FLOPs of one step of the applied mode, run eagerly (the compiled menu replays what the
+    eager one does), then ``undo()``. A dispatch mode around compiled layers would be traced into
+    graphs that dynamo's guards do not tell from the plain ones, and reused for steps without it."""
+    try:
+        with flop_counter() as flops:
+            _step(model, sample)
+    finally:
+        undo()
     return flops.get_total_flops()
+
+
+def _timed_step(model: nn.Module, sample: Any, synchronize: Callable[[], None]) -> float:
+    synchronize()
+    start = time.perf_counter()
+    _step(model, sample)
+    synchronize()
+    return time.perf_counter() - start
 
 
 def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], run_mode: Callable,
@@ -141,32 +124,39 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     """The cost model of compiled layers (module docstring); ``run_mode(mode)`` applies ``mode``
     with ``compile=True`` to every layer and returns the undo."""
     modules = [layer.module for layer in layers]
-    compiled = _Compiled(run_mode, modules)
-    kept, flops = {}, {}
+    saved, flops, readings = {}, {}, {mode: [] for mode in ESTIMATE_MODES}
+    order = list(ESTIMATE_MODES)
     with side_effects_undone(model, backend.device_type):
         model.train()
-        for mode in ESTIMATE_MODES:
-            compiled(mode)
-            try:
-                kept[mode] = _saved_step(model, sample, modules)  # compiles first
-                flops[mode] = _step_flops(model, sample)
-            finally:
-                compiled.restore()
-        seconds = _timed_rounds(model, sample, modules, ESTIMATE_MODES, lambda mode: _Restore(compiled(mode)),
-                                rounds, backend.synchronize)
+        for round_ in range(rounds + 1):
+            random.Random(round_).shuffle(order)
+            for mode in order:
+                if round_ == 0:
+                    flops[mode] = _step_flops(model, sample, run_mode(mode))
+                compiled = _Compiled(run_mode, modules, mode)
+                try:
+                    if round_ == 0:
+                        _step(model, sample)  # compiles
+                        saved[mode] = _saved_bytes(model, sample)
+                    else:
+                        readings[mode].append(_timed_step(model, sample, backend.synchronize))
+                finally:
+                    compiled.restore()
+    # NOTE [Timing on a drifting host] in profile.py: per round, each mode relative to off.
+    off_seconds = statistics.median(readings["off"])
+    seconds = {m: off_seconds * statistics.median(t / o for t, o in zip(readings[m], readings["off"]))
+               for m in ESTIMATE_MODES}
     count = len(layers)
     estimates = tuple(
         LayerEstimate(
             index=layer.index, fqn=layer.fqn,
-            kept_bytes={m: kept[m].get(position, 0) for m in ESTIMATE_MODES},
+            kept_bytes={m: saved[m] // count for m in ESTIMATE_MODES},
             recompute_flops={m: max(flops[m] - flops["off"], 0) // count for m in ESTIMATE_MODES},
-            seconds={m: seconds[m][position] for m in ESTIMATE_MODES},
+            seconds={m: seconds[m] / count for m in ESTIMATE_MODES},
         )
-        for position, layer in enumerate(layers)
+        for layer in layers
     )
-    return Estimate(estimates, kept["off"].get(None, 0), flops["off"],
-                    outside_seconds=statistics.median(seconds[m][None] for m in ESTIMATE_MODES),
-                    timing=f"compiled steps ({PROFILE_BACKEND}) on {backend.name}")
+    return Estimate(estimates, 0, flops["off"], timing=f"compiled steps ({PROFILE_BACKEND}) on {backend.name}")
 
 
 def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, run_mode: Callable,
