@@ -171,8 +171,9 @@ class Config:
     does not name get ``mode``. A mapping of container path to a mode or to such an index mapping."""
 
     compile: bool = False
-    """The layers will run under ``torch.compile``: use the stateless selective policy (saves
-    every matmul) that the compiler can trace."""
+    """The layers will run under ``torch.compile``: each mode becomes a mechanism the compiler
+    traces (checkpoint regions, selective-checkpoint tags, activation offloading for swap; see
+    hyperac/compiled.py), and ``mode="auto"`` plans for compiled layers."""
 
     swap_inputs: bool = False
     """Layers that recompute keep their inputs in host memory between forward and backward (copies
