@@ -36,6 +36,13 @@ both sides of that change behave as torch 2.13 does.
   storage object; a detached alias or a view adds one.
 * ``untyped_storage().resize_(0)`` frees the bytes, and growing it back keeps the tensor valid.
 
+Swap under ``compile=True`` (hyperac/compiled.py, NOTE [Swap under torch.compile]) sets
+``torch._functorch.config`` options (``enable_activation_offloading``,
+``activation_offload_separate_stream``, ``activation_offload_cpu_gpu_bw``, ``joint_custom_pass``)
+and reads and writes FX node ``meta["recompute"]`` / ``meta["should_offload"]``; apply checks
+that the options and ``CheckpointPolicy.MUST_CPU_OFFLOAD`` exist (``compiled.offloading_available``)
+and raises :class:`~hyperac.errors.TorchVersionError` where they do not.
+
 ``torch._C._dynamo.eval_frame.set_eval_frame`` (torch.compile's frame hook) lets the eager
 recording and replay modes turn frame compilation off once per region (NOTE [Dispatch modes and
 torch.compile] in policy.py); where it is missing they keep torch's per-op guard.

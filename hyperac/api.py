@@ -13,6 +13,7 @@ from torch import nn
 from . import _compat, _hf
 from .adapters import Adapter, find_adapter, resolve_regions
 from .backends import Backend, get_backend
+from .compiled import mechanism_note, require_offloading
 from .config import MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
@@ -26,6 +27,8 @@ from .planner import (
     plan_swaps,
     remove_first_step_check,
 )
+from .planner.auto import TIMED_ROUNDS, _link_bandwidth
+from .planner.compiled import compiled_auto_modes
 from .planner.lengths import LengthCheck
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap
@@ -168,15 +171,19 @@ def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[
     if not any(wanted):
         return wanted
     reason = None
-    if config.compile:
-        reason = "swap is not supported with compile=True (torch.compile cannot trace the copies)"
-    elif not backend.can_swap:
+    if not backend.can_swap:
         reason = f"swap has no effect on the {backend.name!r} backend (activations already live in host memory)"
     if reason is not None:
         message = f"{reason}; tensors stay on the device and 'swap' layers behave as 'off'."
         warnings.warn(message, HyperACWarning, stacklevel=3)
         notes.append(message)
         return [False] * len(modes)
+    if config.compile and any(w and mode == "full" for w, mode in zip(wanted, modes)):
+        message = ("under compile=True a 'full' layer's input cannot be offloaded (it is the previous graph's "
+                   "output); those layers recompute and keep their input on the device.")
+        warnings.warn(message, HyperACWarning, stacklevel=3)
+        notes.append(message)
+        wanted = [w and mode != "full" for w, mode in zip(wanted, modes)]
     return wanted
 
 
@@ -237,6 +244,11 @@ def apply(
         modes = _modes_from_plan(config.plan, found)
         if any(layer.swap for layer in config.plan.layers):  # the layers that offloaded offload again
             modes, planned_swaps = plan_swaps(modes, [layer.swap for layer in config.plan.layers])
+    elif config.mode == "auto" and config.compile:  # plan for compiled layers (planner/compiled.py)
+        modes, planned_swaps, prediction = compiled_auto_modes(
+            model, found, config.budget, config.sample,
+            _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
+            chosen_backend, TIMED_ROUNDS)
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
@@ -268,19 +280,26 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
         roots, excluded = regions.get(layer.fqn, ((), ()))
         layer_plans.append(LayerPlan(layer.index, layer.fqn, mode, tuple(f for f, _ in roots),
                                      tuple(f for f, _ in excluded), swap and i != last_swap, layer.found_by))
+    if config.compile:
+        notes.append(mechanism_note(modes, [layer.swap for layer in layer_plans]))
     result = Plan(
         backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )
     _compat.require_for(modes, swaps, config)
     ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) else None
-    manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if any(swaps) else None
+    eager_swap = any(swaps) and not config.compile
+    manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if eager_swap else None
     state = AppliedState(result, type(model).__name__, manager)
     try:
+        if config.compile and any(layer.swap for layer in layer_plans):
+            state.offload = require_offloading(
+                _link_bandwidth(chosen_backend), separate_stream=chosen_backend.device_type != "cpu")
         _install(found, modes, swaps, last_swap, regions, chosen_backend, ops, config, state, planned_swaps)
         if any(layer.recomputed for layer in layer_plans):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
-        if result.predicted_bytes is not None and result.max_seq_len is None:  # else shorter steps keep less
+        if result.predicted_bytes is not None and result.max_seq_len is None and not config.compile:
+            # compiled: saved bytes, not eager ones; max_seq_len: shorter steps keep less
             install_first_step_check(model, result.predicted_bytes)
         if result.max_seq_len is not None:
             model.register_forward_pre_hook(LengthCheck(state, result.max_seq_len, config.seq_dim), with_kwargs=True)
@@ -309,6 +328,9 @@ def _install(
     for index, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
             continue
+        if config.compile:  # NOTE [Swap under torch.compile] in compiled.py
+            _install_compiled(layer, mode, swap and index != last_swap, regions, backend, ops, state, claim)
+            continue
         saved_tensors = mode == "swap" or config.swap_inputs or bool(planned_swaps and planned_swaps[index])
         layer_swap = LayerSwap(state.swap, index != last_swap, saved_tensors) if swap else None
         if mode == "swap":
@@ -328,6 +350,18 @@ def _install(
                 install_recompute(module, state, fqn, context, layer_swap)
 
 
+def _install_compiled(layer: Layer, mode: str, offloads: bool, regions: dict, backend: Backend, ops: OpSets | None,
+                      state: AppliedState, claim: Callable[[nn.Module], bool]) -> None:
+    """Install one ``compile=True`` layer: a region the compiler traces, its swap as offload tags."""
+    if mode == "swap" and not offloads:
+        return  # the last layer of a swap chain keeps its tensors: as 'off'
+    roots = regions[layer.fqn][0] if layer.fqn in regions else ((layer.fqn, layer.module),)
+    context = build_context_fn(mode, backend, ops, compile=True, has_exclusions=False, swap_outputs=offloads)
+    for fqn, module in roots:
+        if claim(module):
+            install_recompute(module, state, fqn, context)
+
+
 def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
     if [layer.fqn for layer in plan.layers] != [layer.fqn for layer in found]:
         raise ConfigError(
@@ -338,7 +372,11 @@ def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
     return [layer.mode for layer in plan.layers]
 
 
-def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
+def _containers(found: list[Layer]) -> list[str]:
+    return list(dict.fromkeys(layer.container for layer in found))
+
+
+def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Callable:
     """``runner(model, containers)(mode) -> undo``: apply one mode to every layer, or
     ``{container: {index: mode}}`` (for profiling)."""
 
@@ -346,7 +384,7 @@ def _uniform_runner(backend: Backend, adapter: Any) -> Callable:
         def run(mode: Any) -> Callable[[], None]:
             # A mode, or per-container layer modes (NOTE [Identical layers measured once] in planner/profile.py).
             layers, mode = (containers, mode) if isinstance(mode, str) else (mode, "off")
-            config = Config(mode=mode, backend=backend, layers=layers, adapter=adapter)
+            config = Config(mode=mode, backend=backend, layers=layers, adapter=adapter, compile=compile)
             named_modules = _check_model(model)
             found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
             with warnings.catch_warnings():

@@ -183,8 +183,9 @@ class Config:
     mode or to such an index mapping."""
 
     compile: bool = False
-    """The layers will run under ``torch.compile``: use the stateless selective policy (saves
-    every matmul) that the compiler can trace."""
+    """The layers will run under ``torch.compile``: each mode becomes a mechanism the compiler
+    traces (checkpoint regions, selective-checkpoint tags, activation offloading for swap; see
+    hyperac/compiled.py), and ``mode="auto"`` plans for compiled layers."""
 
     swap_inputs: bool = False
     """Layers that recompute keep their inputs in host memory between forward and backward (copies
@@ -277,6 +278,11 @@ class Config:
         elif self.max_seq_len is not None:
             raise ConfigError(
                 f"Config.max_seq_len={self.max_seq_len!r} only applies to mode='auto', not {self.mode!r}."
+            )
+        if self.max_seq_len is not None and self.compile:
+            raise ConfigError(
+                f"Config.max_seq_len={self.max_seq_len!r} is not supported with compile=True yet (the compiled "
+                "planner measures the sample's length only); pass a sample at the longest length instead."
             )
         if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool) or not isinstance(
                 self.max_seq_len, int) or self.max_seq_len < 1):

@@ -126,7 +126,13 @@ class Plan:
                 f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.found_by:<{found}}  {layer.mode:<9}  {swap:<4}  "
                 f"{_describe_targets(layer)}"
             )
-        if self.predicted_bytes is not None:
+        if self.predicted_bytes is not None and self.predicted_peak_bytes is None:  # compiled: saved bytes
+            lines.append(
+                f"predicted: {self.predicted_bytes / 2**20:.2f} MiB saved for backward by the compiled layers "
+                f"(budget {(self.budget_bytes or 0) / 2**20:.2f} MiB), {(self.predicted_step_seconds or 0) * 1e3:.1f} "
+                f"ms per step, {(self.predicted_recompute_flops or 0) / 1e9:.3f} GFLOP replayed"
+            )
+        elif self.predicted_bytes is not None:
             lines.append(
                 f"predicted: peak {(self.predicted_peak_bytes or 0) / 2**20:.2f} MiB (budget "
                 f"{(self.budget_bytes or 0) / 2**20:.2f} MiB), {self.predicted_bytes / 2**20:.2f} MiB kept for "

@@ -22,9 +22,10 @@ In eager mode hyperac records and replays with its own dispatch modes (``_Record
 ``_ReplayMode``) on PyTorch's ``checkpoint(context_fn=...)``, rather than PyTorch's selective
 checkpoint modes: a replay checks each op against the forward, survives a second backward, and
 replays writes into kept outputs once (NOTE [Writes into kept outputs], NOTE [Replays that cannot
-use the tape]); and it costs less per op. ``compile=True`` uses PyTorch's modes, which the compiler
-understands. Private torch internals used: ``_detach_helper``, ``SAC_IGNORED_OPS``,
-``_sac_storage_key`` (for compiled regions inside an eager region).
+use the tape]); and it costs less per op. ``compile=True`` runs the same policy in PyTorch's modes,
+which the compiler understands (NOTE [Selective recompute under torch.compile]). Private torch
+internals used: ``_detach_helper``, ``SAC_IGNORED_OPS``, ``_sac_storage_key`` (for compiled regions
+inside an eager region).
 """
 
 from __future__ import annotations
@@ -166,11 +167,13 @@ class SelectivePolicy:
     and replay always agree.
     """
 
-    def __init__(self, ops: OpSets, mode: str = "selective") -> None:
+    def __init__(self, ops: OpSets, mode: str = "selective", offload: bool = False) -> None:
         self.ops = ops
         self.num_matmuls = 0
         self.keep_every_matmul = mode == "pointwise"
         self.kept_parity = 0 if mode == "selective-even" else 1
+        # Under compile, kept outputs of a swapping layer go to host memory (NOTE [Swap under torch.compile]).
+        self.kept = CheckpointPolicy.MUST_CPU_OFFLOAD if offload else CheckpointPolicy.MUST_SAVE
 
     def keeps(self, kind: int) -> bool:
         """Whether the next op of ``kind`` (see :meth:`OpSets.classify`) keeps its output."""
@@ -183,16 +186,8 @@ class SelectivePolicy:
         """The decision for ``op`` in PyTorch's policy-function form."""
         kind = self.ops.classify(op)[0]
         if self.keeps(kind):
-            return CheckpointPolicy.MUST_SAVE
+            return self.kept
         return CheckpointPolicy.MUST_RECOMPUTE if kind == _RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def stateless_policy(ops: OpSets, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The ``compile=True`` policy: no counters, so it keeps every matmul."""
-    kind = ops.classify(op)[0]
-    if kind == _RECOMPUTE:
-        return CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if kind >= _MATMUL else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # Set while a module that a recompute region excludes runs its forward: its ops are neither
@@ -575,8 +570,33 @@ def selective_contexts(
     )
 
 
-def compile_context_fn(ops: OpSets) -> Callable[[], tuple[Any, Any]]:
-    """The ``context_fn`` for layers that run under ``torch.compile`` (PyTorch's own SAC modes)."""
-    return functools.partial(
-        torch_recompute.create_selective_checkpoint_contexts, functools.partial(stateless_policy, ops)
-    )
+def _offload_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``compile=True`` policy of a ``swap`` layer: what the partitioner saves goes to host memory."""
+    return CheckpointPolicy.PREFER_CPU_OFFLOAD
+
+
+def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool) -> tuple[Any, Any]:
+    """PyTorch's selective checkpoint contexts around a fresh :class:`SelectivePolicy` (``compile=True``);
+    ``offload``: the layer swaps (NOTE [Swap under torch.compile] in compiled.py). Called while the
+    region is traced, not per step: the op sets are resolved then.
+
+    NOTE [Selective recompute under torch.compile]
+    Under ``torch.compile`` the policy runs while AOTAutograd traces the region's forward, once per
+    op, and its decision becomes the op node's ``recompute`` tag, which the partitioner obeys:
+    ``MUST_SAVE`` outputs are saved, the rest recomputed in the backward graph. So the counting
+    policy of eager mode works unchanged: ``selective`` keeps the odd-numbered matmuls of each
+    region, ``selective-even`` the even-numbered ones, ``pointwise`` all of them, and the compiled
+    layer saves what the eager one does. The counter is fresh per trace (``context_fn`` is called
+    per region invocation), and the policy is called at trace time only: nothing of it runs per
+    step.
+    """
+    policy = _offload_saved if mode == "swap" else SelectivePolicy(resolve_op_sets(backend_type()), mode, offload)
+    return torch_recompute.create_selective_checkpoint_contexts(policy)
+
+
+def compile_context_fn(backend_type: type[Backend], mode: str, offload: bool = False) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` for layers that run under ``torch.compile``: a ``functools.partial``, the
+    form dynamo accepts, of constants only (a function, a class, a string, a bool), which dynamo's
+    guards compare: every layer of one mode shares one graph, in this apply and the next (NOTE [One
+    graph per layer plan] in recompute.py)."""
+    return functools.partial(compiled_contexts, backend_type, mode, offload)

@@ -122,10 +122,11 @@ class RecomputeContext:
         self.swap_outputs = swap_outputs
         self.layer, self.index = layer, index
         self._ops = ops
-        self._compiled: Callable[[], tuple[Any, Any]] | None = None
+        # Built here, not in the traced frame (NOTE [One graph per layer plan]).
+        self._compiled = compile_context_fn(self.backend_type, mode, swap_outputs) if compile else None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_ops": None, "_compiled": None}
+        return {**self.__dict__, "_ops": None}
 
     @property
     def ops(self) -> OpSets:
@@ -135,11 +136,7 @@ class RecomputeContext:
 
     def context_fn(self) -> Callable[[], tuple[Any, Any]]:
         """What to pass as ``context_fn``: under ``torch.compile`` a function the compiler accepts."""
-        if not self.compile:
-            return self
-        if self._compiled is None:
-            self._compiled = compile_context_fn(self.ops)
-        return self._compiled
+        return self._compiled if self.compile else self
 
     def __call__(self) -> tuple[Any, Any]:
         if self.mode in SELECTIVE_MODES:
@@ -167,10 +164,12 @@ def build_context_fn(
     """The context of regions of ``mode``, or ``None`` for PyTorch's default (full recompute).
 
     ``layer`` and ``index`` (fqn and flat index of the layer the region belongs to) name it in errors.
+    Under ``compile``, ``swap_outputs`` offloads what the layer keeps (``mode="swap"``: everything it
+    saves; NOTE [Swap under torch.compile] in compiled.py).
     """
     if mode == "full" and not has_exclusions and not compile:
         return None
-    if compile and mode not in SELECTIVE_MODES:
+    if compile and mode not in SELECTIVE_MODES and not (mode == "swap" and swap_outputs):
         return None
     return RecomputeContext(
         mode, backend, ops, compile=compile, has_exclusions=has_exclusions, swap_outputs=swap_outputs,
@@ -247,12 +246,24 @@ class _CacheAsBefore:
         return _structure_copy(self.frozen, {}, [])
 
 
+# NOTE [One graph per layer plan]
+# Under torch.compile, dynamo guards on every Python value the traced frame reads: a layer's name or
+# index read there (``self.fqn``), an object built per layer (a ``context_fn`` made lazily on the
+# first call) or per apply (resolved op sets) makes one graph per layer, and from the ninth layer
+# on (``recompile_limit``) layers run uncompiled, silently. So the traced path of a ``compile=True``
+# layer reads only values equal for every layer of one mode: the override's mode flags, and a
+# ``context_fn`` built at apply from constants (policy.compile_context_fn). The layer's name is read
+# only to word an error, off the traced path. Identical layer plans share one graph, in one model
+# and across applies (the planner's profile compiles the same graphs the plan then uses).
+
+
 class _Region:
     """One recomputed call of a module's forward: ``torch.utils.checkpoint`` runs it once in forward
-    and again for each replay (keyword arguments bound here, so none clash with checkpoint's own)."""
+    and again for each replay (keyword arguments bound here, so none clash with checkpoint's own).
+    ``override`` names the layer in errors; it is read only then (NOTE [One graph per layer plan])."""
 
-    def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], fqn: str) -> None:
-        self.call, self.kwargs, self.fqn = call, kwargs, fqn
+    def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], override: Override) -> None:
+        self.call, self.kwargs, self.override = call, kwargs, override
         self.caches = [_CacheAsBefore(name, kwargs[name]) for name in CACHE_KWARGS if kwargs.get(name) is not None]
         self.forward_done = False
 
@@ -262,7 +273,7 @@ class _Region:
         if not self.forward_done:
             self.forward_done = True
             return self.call(*args, **self.kwargs)
-        replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
+        replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.override.fqn) for cache in self.caches}}
         return self.call(*args, **replay_kwargs)
 
 
@@ -284,7 +295,7 @@ class RecomputedForward(Override):
         module, call = self.module_and_forward()
         if not _training(module):
             return call(*args, **kwargs)
-        region = _Region(call, kwargs, self.fqn)
+        region = _Region(call, kwargs, self)
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from .compiled import OffloadMarker, release_offloading
 from .plan import Plan
 from .swap import SwapManager
 
@@ -42,6 +43,8 @@ class AppliedState:
     swap: SwapManager | None = None
     warned: set[str] = dataclasses.field(default_factory=set)
     """Warnings already given for this model (each is given once per model, not once per process)."""
+    offload: OffloadMarker | None = None
+    """Under ``compile=True`` with swap: the activation offloading this apply turned on (compiled.py)."""
 
     def __post_init__(self) -> None:
         self._tie_teardown()
@@ -149,3 +152,6 @@ def undo(model: nn.Module, state: AppliedState) -> None:
         del model.__dict__[STATE_KEY]
     if state.swap is not None:
         state.swap.release()
+    if state.offload is not None:
+        release_offloading(state.offload)
+        state.offload = None

@@ -160,6 +160,9 @@ def test_max_seq_len_needs_a_sample_it_can_cut():
                       max_seq_len=64, backend="cpu")
     with pytest.raises(hyperac.ConfigError, match="max_seq_len=64 only applies to mode='auto'"):
         hyperac.apply(tiny_llama(num_layers=2), mode="full", max_seq_len=64)
+    with pytest.raises(hyperac.ConfigError, match="max_seq_len=64 is not supported with compile=True"):
+        hyperac.apply(tiny_llama(num_layers=2), mode="auto", budget=0.5, sample=lm_sample(seq=8), max_seq_len=64,
+                      compile=True, backend="cpu")
 
 
 def test_a_batch_longer_than_max_seq_len_warns_once_per_shape():

@@ -1,0 +1,162 @@
+"""hyperac ``mode="auto"`` + ``compile=True`` against torch's own compiled budget, at equal saved bytes.
+
+Per geometry (``planner_targets.GEOMETRIES``: the demo model, and hidden 512 / seq 1024), one
+seeded Llama is deep-copied per configuration and every decoder layer compiled torchtitan-style
+(``layer.compile()``), all in one process:
+
+* ``off`` and ``off-control``: no recompute, twice: their ratio is the noise floor of the run;
+* ``torch B``: torch's ``activation_memory_budget = B`` (the min-cut partitioner's knapsack, one
+  budget per layer graph) for B in {0.5, 0.75};
+* ``hyperac B``: ``hyperac.apply(mode="auto", compile=True, budget=<torch B's saved bytes>)``: the
+  planner gets exactly the bytes torch's budget saved, so both are held to the same number.
+
+Saved bytes: what a step saves for backward (``saved_tensors_hooks``, distinct storages,
+parameters excluded), read after a first step (which compiles). Step time: interleaved rounds, one
+step per configuration per round in shuffled order; reported as the median of per-round ratios.
+PASS when hyperac B's step is <= 1.00x torch B's and its saved bytes <= torch B's (+1%), and when
+the plan's predicted saved bytes are within 5% of the compiled step's.
+
+Every configuration compiles through its own backend object (dynamo keys its cache by backend,
+and ``activation_memory_budget`` is not part of dynamo's guards), so no configuration reuses
+another's graphs; the recompile limit is raised for the many configurations of one process.
+torchtitan's ``MemoryBudgetAC`` needs torchtitan, which needs torch 2.14: the script says whether it
+could import it and leaves it out otherwise.
+
+    OMP_NUM_THREADS=1 python benchmarks/compiled_peers.py [--backend inductor] [--only demo|large] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import os
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planner_targets import GEOMETRIES, build, step  # noqa: E402
+
+import hyperac  # noqa: E402
+from hyperac.plan import mode_letters  # noqa: E402
+
+BUDGETS = (0.5, 0.75)
+
+
+class Backend:
+    """A compile backend of its own (its own dynamo cache entries) with torch's budget set while it compiles."""
+
+    def __init__(self, name: str, budget: float = 1.0) -> None:
+        self.name, self.budget = name, budget
+
+    def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> Callable:
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return torch._dynamo.lookup_backend(self.name)(graph, inputs)
+
+
+def saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages one step saves for backward, parameters excluded."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+def compiled(base: nn.Module, backend: Backend, ids: torch.Tensor, **options: Any) -> tuple[nn.Module, Any]:
+    """A copy of ``base`` (hyperac applied with ``options`` if any), each layer compiled, warmed up."""
+    model = copy.deepcopy(base)
+    plan = hyperac.apply(model, compile=True, backend="cpu", **options) if options else None
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    step(model, ids)
+    return model, plan
+
+
+def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds: int) -> tuple[list[str], bool]:
+    base = build(geometry)
+    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+    sample = {"input_ids": ids, "labels": ids}
+    models: dict[str, nn.Module] = {}
+    plans: dict[str, Any] = {}
+    saved: dict[str, int] = {}
+    for label in ("off", "off-control"):
+        models[label], _ = compiled(base, Backend(backend_name), ids)
+    for budget in BUDGETS:
+        models[f"torch {budget}"], _ = compiled(base, Backend(backend_name, budget), ids)
+    for label, model in models.items():
+        saved[label] = saved_bytes(model, ids)
+    for budget in BUDGETS:
+        label = f"hyperac {budget}"
+        models[label], plans[label] = compiled(base, Backend(backend_name), ids, mode="auto", sample=sample,
+                                               budget=saved[f"torch {budget}"])
+        saved[label] = saved_bytes(models[label], ids)
+    times: dict[str, list[float]] = {label: [] for label in models}
+    order = list(models)
+    for _ in range(rounds):
+        random.shuffle(order)
+        for label in order:
+            times[label].append(step(models[label], ids))
+
+    def ratio(label: str, peer: str) -> float:
+        return statistics.median(a / b for a, b in zip(times[label], times[peer]))
+
+    off = saved["off"]
+    lines = [f"## {name}: hidden {geometry['hidden']}, {geometry['layers']} layers, seq {geometry['seq']}, "
+             f"batch {geometry['batch']}; {backend_name}, per-layer compile, {rounds} rounds", "",
+             f"off-control / off step: {ratio('off-control', 'off'):.3f}x (the noise floor)", "",
+             "| budget | torch: saved (x off) | hyperac auto: plan | saved (x off) | predicted / saved | "
+             "step hyperac / torch | result |", "|---|---|---|---|---|---|---|"]
+    passed = True
+    for budget in BUDGETS:
+        ours, theirs, plan = f"hyperac {budget}", f"torch {budget}", plans[f"hyperac {budget}"]
+        step_ratio = ratio(ours, theirs)
+        predicted = plan.predicted_bytes / saved[ours]
+        ok = step_ratio <= 1.0 and saved[ours] <= 1.01 * saved[theirs] and abs(predicted - 1) <= 0.05
+        passed &= ok
+        lines.append(f"| {budget} | {saved[theirs] / off:.3f} | {mode_letters([lp.mode for lp in plan.layers])} | "
+                     f"{saved[ours] / off:.3f} | {predicted:.3f} | {step_ratio:.3f}x | {'PASS' if ok else 'FAIL'} |")
+    return lines, passed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="inductor", help="compile backend (inductor, aot_eager_decomp_partition)")
+    parser.add_argument("--only", choices=sorted(GEOMETRIES))
+    parser.add_argument("--rounds", type=int, help="timed rounds (default: the geometry's)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    random.seed(0)
+    torch._dynamo.config.recompile_limit = 64
+    titan = importlib.util.find_spec("torchtitan") is not None
+    print(f"torch {torch.__version__}; torchtitan MemoryBudgetAC: "
+          f"{'importable (not yet compared here)' if titan else 'not installed (needs torch 2.14), left out'}")
+    passed = True
+    for name, geometry in GEOMETRIES.items():
+        if args.only and name != args.only:
+            continue
+        lines, ok = run_geometry(name, geometry, args.backend, args.rounds or geometry["rounds"])
+        passed &= ok
+        print("\n".join(lines), flush=True)
+    print("PASS" if passed else "FAIL")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

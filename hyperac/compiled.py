@@ -1,0 +1,134 @@
+"""``compile=True``: what each plan letter becomes in the compiled graph, and swap carried into it.
+
+Under ``torch.compile`` hyperac's eager machinery (recording and replay modes, swap hooks) cannot
+run inside a graph, so each mode maps to a mechanism the compiler itself honours:
+
+* ``full``: a ``torch.utils.checkpoint`` region; the backward graph replays every forward op;
+* ``selective``, ``selective-even``, ``pointwise``: the same region with PyTorch's selective
+  checkpoint contexts around hyperac's counting policy: its decisions become the ``recompute`` tags
+  of the op nodes, which the partitioner obeys (NOTE [Selective recompute under torch.compile] in
+  policy.py), so the three keep what their eager versions keep and differ in saved bytes;
+* swap: torch's activation offloading. The policy tags what a swapping layer keeps with
+  ``CheckpointPolicy.MUST_CPU_OFFLOAD`` (``PREFER_CPU_OFFLOAD`` for a ``swap`` layer, which keeps
+  what the partitioner would keep anyway), and :class:`OffloadMarker`, a joint-graph pass, turns
+  the tag into the ``meta["should_offload"]`` marker that makes the partitioner insert the
+  device-to-host copies after the forward op and the reloads before the backward op
+  (NOTE [Swap under torch.compile]).
+
+NOTE [Swap under torch.compile]
+torch 2.13 has the pieces but nothing connects them: ``MUST_CPU_OFFLOAD`` is read by nothing (the
+partitioner treats the node as untagged), and ``torch._functorch.config.enable_activation_offloading``
+offloads only nodes marked ``should_offload``, which nothing sets. The pass and the options live
+in ``torch._functorch.config``, which is process-wide and read when a graph is compiled (after
+dynamo traced the layer, outside hyperac's code), so they cannot be scoped to one call. apply sets
+them while any applied model swaps under compile, and remove restores what was there before:
+
+* the pass chains after a pass the user set (``joint_custom_pass``), never replaces it, and marks
+  only nodes carrying hyperac's tags, so graphs of other models are unchanged;
+* offloading runs on a separate stream (``activation_offload_separate_stream``), with reloads
+  prefetched by a schedule sized from the host link bandwidth hyperac uses for its own swap costs
+  (``activation_offload_cpu_gpu_bw``, in GB/s);
+* ``joint_custom_pass`` is not part of AOTAutograd's cache key: a graph compiled earlier in the
+  process without the pass is reused as it was. Compile after apply.
+
+The copies are ``device_put`` nodes: on CPU they are present in the graph but move nothing (the
+tests inspect them there); the stream path needs an accelerator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .errors import TorchVersionError
+
+__all__ = ["MECHANISMS", "OffloadMarker", "mechanism_note", "offloading_available", "release_offloading",
+           "require_offloading"]
+
+MECHANISMS = {
+    "full": "checkpoint region (backward replays every op)",
+    "selective": "SAC tags: odd matmuls and attention MUST_SAVE, the rest recomputed",
+    "selective-even": "SAC tags: even matmuls and attention MUST_SAVE, the rest recomputed",
+    "pointwise": "SAC tags: every matmul and attention MUST_SAVE, pointwise ops recomputed",
+    "swap": "activation offloading: kept tensors tagged MUST_CPU_OFFLOAD (swap layers PREFER_) -> should_offload",
+}
+"""What ``compile=True`` compiles each mode to (``print(plan)`` shows the modes a plan uses)."""
+
+_OPTIONS = ("joint_custom_pass", "enable_activation_offloading", "activation_offload_separate_stream",
+            "activation_offload_cpu_gpu_bw")
+
+
+def mechanism_note(modes: Sequence[str], swaps: Sequence[bool]) -> str:
+    """The plan note of a ``compile=True`` apply: the mechanism of each mode it uses."""
+    used = [mode for mode in MECHANISMS if mode in modes and mode != "swap"]
+    parts = [f"{mode} = {MECHANISMS[mode]}" for mode in used]
+    if any(swaps):
+        parts.append(f"swap = {MECHANISMS['swap']}")
+    return "under torch.compile: " + "; ".join(parts) if parts else "under torch.compile: nothing to change"
+
+
+def offloading_available() -> bool:
+    """Whether this torch has the activation offloading a compiled swap needs."""
+    config = torch._functorch.config
+    return all(hasattr(config, name) for name in _OPTIONS) and hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD")
+
+
+class OffloadMarker:
+    """The joint-graph pass: ``*_CPU_OFFLOAD`` tags become the ``should_offload`` marker (NOTE [Swap
+    under torch.compile]). Runs the pass it replaced first; restores the options it changed when the
+    last applied model that needs it is removed."""
+
+    def __init__(self, previous: dict[str, Any]) -> None:
+        self.previous = previous
+        self.users = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> torch.fx.GraphModule:
+        user_pass = self.previous["joint_custom_pass"]
+        if callable(user_pass):
+            graph = user_pass(graph, inputs)
+        for node in graph.graph.nodes:
+            tag = node.meta.get("recompute")
+            if tag == CheckpointPolicy.MUST_CPU_OFFLOAD:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # saved, on the host
+                node.meta["should_offload"] = True
+            elif tag == CheckpointPolicy.PREFER_CPU_OFFLOAD:
+                node.meta.pop("recompute")  # the partitioner chooses, as for an untagged op
+                node.meta["should_offload"] = True
+        return graph
+
+
+def require_offloading(link_bandwidth: float, separate_stream: bool) -> OffloadMarker:
+    """Turn on activation offloading with hyperac's marker pass (NOTE [Swap under torch.compile]);
+    ``link_bandwidth`` in bytes/s sizes the reload prefetch; ``separate_stream``: copy on a side
+    stream (an accelerator; on CPU the synchronous ``device_put`` path). Returns the marker, to hand back to
+    :func:`release_offloading` at remove."""
+    if not offloading_available():
+        raise TorchVersionError(
+            f"swap under compile=True needs torch's activation offloading (torch._functorch.config."
+            f"enable_activation_offloading, joint_custom_pass, CheckpointPolicy.MUST_CPU_OFFLOAD), which torch "
+            f"{torch.__version__} lacks; use torch 2.13 or newer, or compile=False (eager swap)."
+        )
+    config = torch._functorch.config
+    marker = config.joint_custom_pass
+    if not isinstance(marker, OffloadMarker):
+        marker = OffloadMarker({name: getattr(config, name) for name in _OPTIONS})
+        config.joint_custom_pass = marker
+        config.enable_activation_offloading = True
+        config.activation_offload_separate_stream = separate_stream
+        if math.isfinite(link_bandwidth):
+            config.activation_offload_cpu_gpu_bw = link_bandwidth / 1e9
+    marker.users += 1
+    return marker
+
+
+def release_offloading(marker: OffloadMarker) -> None:
+    """Undo one :func:`require_offloading`; the last one restores the options as they were."""
+    marker.users -= 1
+    config = torch._functorch.config
+    if marker.users == 0 and config.joint_custom_pass is marker:
+        for name, value in marker.previous.items():
+            setattr(config, name, value)

@@ -1,0 +1,176 @@
+"""``mode="auto"`` with ``compile=True``: plan for what the compiled layers keep.
+
+The eager profile (:mod:`.profile`) measures what eager layers keep and how long they take; a
+compiled layer keeps less (the partitioner saves only what backward reads, and recomputes cheap
+ops even in ``off``) and runs at another speed, so a plan made from the eager profile spends its
+budget on the wrong layers. Here every mode is applied uniformly with ``compile=True``, each
+layer compiled as a user compiles it (``layer.compile()``, :data:`PROFILE_BACKEND`), and per mode
+the profile reads, from whole compiled steps:
+
+* the bytes the step saves for backward: ``saved_tensors_hooks`` around it, distinct storages,
+  parameters excluded. No module hook or dispatch mode may be active (either changes the compiled
+  layers' graphs), so the bytes are not attributed per layer: the layers share them evenly and
+  what lies outside the layers (embeddings, loss) is counted in theirs, which keeps every plan's
+  total exact for a stack of identical layers. Layers that differ (a MoE layer among dense ones)
+  are priced at the stack's mean;
+* the seconds of a step, in interleaved rounds, relative to ``off`` per round (NOTE [Timing on a
+  drifting host] in :mod:`.profile`), shared evenly by the layers;
+* the FLOPs replayed: the step's FLOPs over ``off``'s, shared evenly by the layers, counted on an
+  eager step of the same mode (the compiled menu replays what the eager one does).
+
+The solver is the eager one, bounding the bytes kept for backward (``bound="kept"``): a budget is
+a fraction of compiled ``off``'s saved bytes (or bytes), which is what a compiled graph's memory
+knob (``activation_memory_budget``) is a fraction of too. Swap options are not offered: a compiled
+swap offloads what the layer keeps (NOTE [Swap under torch.compile] in compiled.py), which this
+profile does not price. Timing uses :data:`PROFILE_BACKEND`, which partitions as Inductor does but
+generates no code: seconds compare modes, they are not Inductor's.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..budget import parse_budget
+from ..discovery import Layer
+from ..measure import flop_counter
+from .cost import ESTIMATE_MODES, Estimate, LayerEstimate
+from .profile import _loss
+from .restore import side_effects_undone
+from .solver import choose_modes
+
+__all__ = ["PROFILE_BACKEND", "compiled_auto_modes", "compiled_estimate"]
+
+PROFILE_BACKEND = "aot_eager_decomp_partition"
+"""AOTAutograd with Inductor's decompositions and min-cut partitioner, without code generation."""
+
+
+class _Compiled:
+    """One mode applied with ``compile=True`` and each layer compiled as a user compiles it
+    (``layer.compile()``); :meth:`restore` undoes both."""
+
+    def __init__(self, run_mode: Callable[[str], Callable[[], None]], layer_modules: Sequence[nn.Module],
+                 mode: str) -> None:
+        self.layer_modules = layer_modules
+        self.undo = run_mode(mode)
+        for module in layer_modules:
+            module.compile(backend=PROFILE_BACKEND)
+
+    def restore(self) -> None:
+        for module in self.layer_modules:
+            module._compiled_call_impl = None
+        self.undo()
+
+
+@torch._disable_dynamo  # called from compiled layers: never a frame to compile
+def _pack(saved: dict[int, int], excluded: set[int], tensor: torch.Tensor) -> torch.Tensor:
+    storage = tensor.untyped_storage()
+    if storage.data_ptr() not in excluded:
+        saved[storage.data_ptr()] = storage.nbytes()
+    return tensor
+
+
+def _step(model: nn.Module, sample: Any) -> None:
+    torch.manual_seed(0)
+    loss, output = _loss(model, sample)
+    del output
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _saved_bytes(model: nn.Module, sample: Any) -> int:
+    """The bytes one compiled step saves for backward: distinct storages, parameters excluded. No
+    module hook and no dispatch mode is active: either changes what the compiled layers save."""
+    saved: dict[int, int] = {}
+    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, saved, excluded), _unpack):
+        _step(model, sample)
+    return sum(saved.values())
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _step_flops(model: nn.Module, sample: Any, undo: Callable[[], None]) -> int:
+    """The FLOPs of one step of the applied mode, run eagerly (the compiled menu replays what the
+    eager one does), then ``undo()``. A dispatch mode around compiled layers would be traced into
+    graphs that dynamo's guards do not tell from the plain ones, and reused for steps without it."""
+    try:
+        with flop_counter() as flops:
+            _step(model, sample)
+    finally:
+        undo()
+    return flops.get_total_flops()
+
+
+def _timed_step(model: nn.Module, sample: Any, synchronize: Callable[[], None]) -> float:
+    synchronize()
+    start = time.perf_counter()
+    _step(model, sample)
+    synchronize()
+    return time.perf_counter() - start
+
+
+def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], run_mode: Callable,
+                      backend: Any, rounds: int) -> Estimate:
+    """The cost model of compiled layers (module docstring); ``run_mode(mode)`` applies ``mode``
+    with ``compile=True`` to every layer and returns the undo."""
+    modules = [layer.module for layer in layers]
+    saved, flops, readings = {}, {}, {mode: [] for mode in ESTIMATE_MODES}
+    order = list(ESTIMATE_MODES)
+    with side_effects_undone(model, backend.device_type):
+        model.train()
+        for round_ in range(rounds + 1):
+            random.Random(round_).shuffle(order)
+            for mode in order:
+                if round_ == 0:
+                    flops[mode] = _step_flops(model, sample, run_mode(mode))
+                compiled = _Compiled(run_mode, modules, mode)
+                try:
+                    if round_ == 0:
+                        _step(model, sample)  # compiles
+                        saved[mode] = _saved_bytes(model, sample)
+                    else:
+                        readings[mode].append(_timed_step(model, sample, backend.synchronize))
+                finally:
+                    compiled.restore()
+    # NOTE [Timing on a drifting host] in profile.py: per round, each mode relative to off.
+    off_seconds = statistics.median(readings["off"])
+    seconds = {m: off_seconds * statistics.median(t / o for t, o in zip(readings[m], readings["off"]))
+               for m in ESTIMATE_MODES}
+    count = len(layers)
+    estimates = tuple(
+        LayerEstimate(
+            index=layer.index, fqn=layer.fqn,
+            kept_bytes={m: saved[m] // count for m in ESTIMATE_MODES},
+            recompute_flops={m: max(flops[m] - flops["off"], 0) // count for m in ESTIMATE_MODES},
+            seconds={m: seconds[m] / count for m in ESTIMATE_MODES},
+        )
+        for layer in layers
+    )
+    return Estimate(estimates, 0, flops["off"], timing=f"compiled steps ({PROFILE_BACKEND}) on {backend.name}")
+
+
+def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, run_mode: Callable,
+                        backend: Any, rounds: int) -> tuple[list[str], list[bool], dict[str, Any]]:
+    """``mode="auto"`` under ``compile=True``: per-layer modes (no swap) and the plan's predictions;
+    the budget bounds the bytes the compiled step saves for backward."""
+    estimate = compiled_estimate(model, sample, layers, run_mode, backend, rounds)
+    budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))
+    chosen = choose_modes(estimate, budget_bytes, ESTIMATE_MODES, bound="kept")
+    return chosen, [False] * len(chosen), {
+        "predicted_bytes": estimate.total_bytes(chosen),
+        "predicted_step_seconds": estimate.step_seconds(chosen),
+        "predicted_recompute_flops": estimate.total_recompute_flops(chosen),
+        "predicted_swap_bytes": 0,
+        "budget_bytes": budget_bytes,
+    }
+
