@@ -292,8 +292,9 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     state = AppliedState(result, type(model).__name__, manager)
     try:
         if config.compile and any(layer.swap for layer in layer_plans):
-            state.offload = require_offloading(
-                _link_bandwidth(chosen_backend), separate_stream=chosen_backend.device_type != "cpu")
+            first = next(model.parameters(), None)
+            state.offload = require_offloading(_link_bandwidth(chosen_backend, None if first is None else first.device),
+                                               separate_stream=chosen_backend.device_type != "cpu")
         _install(found, modes, swaps, last_swap, regions, chosen_backend, ops, config, state, planned_swaps)
         if any(layer.recomputed for layer in layer_plans):
             _hf.install_training_cache_defaults(named_modules, state)
