@@ -291,7 +291,7 @@ def _install(
                 install_exclusion(module, state, fqn)
         for fqn, module in roots:
             if claim(module):
-                install_recompute(module, state, fqn, context, layer_swap)
+                install_recompute(module, state, fqn, context, layer_swap, index)
 
 
 def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
