@@ -257,13 +257,20 @@ class _CacheAsBefore:
 # ``torch.utils.checkpoint`` replays a layer on the very tensors its forward was given. A write into
 # one of them, by the layer's own forward (``x.mul_(2)``) or by the caller after the layer returned
 # (the layer returned its input or a view of it, and the caller wrote into that), makes the replay
-# read the written value: wrong gradients or torch's "modified by an inplace operation" error, which
-# names neither the layer nor a fix. An un-applied layer has no replay, so the same program runs.
-# Keeping a copy of every input against such writes would cost what recompute saves. So the region
-# notes the version counter of each tensor argument as its forward starts; a counter that moved by
-# the end of the forward, or by the start of a replay, raises :class:`InputWrittenError` naming the
-# layer and ``layers={i: "off"}``, which leaves the layer's saved tensors to autograd. Checked only
-# where the region runs eagerly (under torch.compile a traced region is the compiler's).
+# read the written value: wrong gradients, or torch's "modified by an inplace operation" error
+# (checkpoint saves its positional inputs with their versions), which names neither the layer nor a
+# fix. An un-applied layer has no replay, so the same program runs. Keeping a copy of every input
+# against such writes would cost what recompute saves. So the region notes the version counter of
+# each tensor argument as its forward starts; a counter that moved by the end of the forward, or by
+# the start of a replay, raises :class:`InputWrittenError` naming the layer and ``layers={i: "off"}``,
+# which leaves the layer's saved tensors to autograd. For the replay to get that far, each plain
+# positional tensor is passed on as an alias with a version counter of its own (``_unsafe_view``, no
+# copy) twice: checkpoint saves one, which no one else holds, so its version check passes; the layer
+# sees another, made inside the region (again in each replay), so that a write by the layer, or by a
+# caller into what the layer returned, moves only that alias's counter, which the region watches with
+# the caller's tensor's. Checked only where the region runs eagerly (under torch.compile a traced
+# region is the compiler's); tensor subclasses (DTensor) are passed as they are, so for them torch's
+# error stands.
 
 
 def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -277,6 +284,12 @@ def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str
                 yield f"argument {name}=", tensor
 
 
+def _with_own_counters(args: tuple) -> tuple:
+    """``args`` with each plain tensor replaced by an alias (the same storage, no copy) with a version
+    counter of its own (NOTE [Inputs written in place])."""
+    return tuple(torch.ops.aten._unsafe_view(a, a.shape) if type(a) is torch.Tensor else a for a in args)
+
+
 class _Region:
     """One recomputed call of a module's forward: ``torch.utils.checkpoint`` runs it once in forward
     and again for each replay (keyword arguments bound here, so none clash with checkpoint's own)."""
@@ -287,10 +300,12 @@ class _Region:
         self.inputs: list[tuple[str, torch.Tensor, int]] = []
         self.forward_done = False
 
-    def run_watched(self, run: Callable[[], Any], args: tuple) -> Any:
-        """``run()``, the region's forward, with its tensor inputs watched (NOTE [Inputs written in place])."""
+    def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple) -> Any:
+        """The region's forward, ``start(args)()``, with its tensor inputs watched
+        (NOTE [Inputs written in place])."""
+        own = _with_own_counters(args)
         self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, self.kwargs)]
-        output = run()
+        output = start(own)()
         self._check_inputs("by the layer's own forward")
         return output
 
@@ -303,16 +318,20 @@ class _Region:
                     f"{tensor._version}), so the layer's replay in backward would read the written value instead "
                     "of the one its forward read. Leave the layer out of recompute: hyperac.apply(model, ..., "
                     f"layers={{{self.index if self.index is not None else '<its index>'}: 'off'}}), or write into "
-                    "a copy (x = x.clone()) in the layer."
+                    "a copy (x = x.clone()) instead."
                 )
 
     def __call__(self, *args: Any) -> Any:
         if not self.caches and not self.inputs:  # no Python state here: under torch.compile that breaks the graph
             return self.call(*args, **self.kwargs)
+        if self.inputs:
+            if self.forward_done:
+                self._check_inputs("after the layer returned")
+            args = _with_own_counters(args)
         if not self.forward_done:
             self.forward_done = True
+            self.inputs += [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, {})]
             return self.call(*args, **self.kwargs)
-        self._check_inputs("after the layer returned")
         replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
         return self.call(*args, **replay_kwargs)
 
@@ -338,17 +357,22 @@ class RecomputedForward(Override):
         if not _training(module):
             return call(*args, **kwargs)
         region = _Region(call, kwargs, self.fqn, self.index)
+        start = functools.partial(self._start, region, kwargs)
+        if not torch.compiler.is_compiling():
+            return region.run_watched(start, args)
+        if self._untraceable():
+            return _eager_region(functools.partial(region.run_watched, start, args))
+        return start(args)()
+
+    def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
+        """What runs the region's forward on ``args``: the recompute, within the swap if any."""
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)
         if self.swap is not None:
             run = functools.partial(self.swap.manager.run_layer, self.swap.offload, run, (args, kwargs),
                                     self.swap.saved_tensors)
-        if not torch.compiler.is_compiling():
-            return region.run_watched(run, args)
-        if self._untraceable():
-            return _eager_region(functools.partial(region.run_watched, run, args))
-        return run()
+        return run
 
     def _untraceable(self) -> bool:
         """Whether torch.compile cannot trace this region (NOTE [Eager regions under torch.compile])."""

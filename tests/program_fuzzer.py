@@ -240,8 +240,10 @@ def _backward(loss: torch.Tensor, parameters: list[nn.Parameter], kind: str) -> 
         loss.backward()
 
 
-def train(model: nn.Module, backward: str, steps: int = 2) -> list[tuple[str, torch.Tensor]]:
-    """Everything two SGD steps produce: losses, the last gradients, parameters and buffers."""
+def train(model: nn.Module, backward: str = "plain", loss_fn: Callable[[nn.Module], torch.Tensor] = _loss,
+          steps: int = 2) -> list[tuple[str, torch.Tensor]]:
+    """Everything ``steps`` SGD steps produce (the RNG seeded with the step's number before each
+    ``loss_fn``): losses, the last gradients, parameters and buffers."""
     model.train()
     parameters = list(model.parameters())
     optimizer = torch.optim.SGD(parameters, lr=0.1)
@@ -249,7 +251,7 @@ def train(model: nn.Module, backward: str, steps: int = 2) -> list[tuple[str, to
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(step)
-        loss = _loss(model)
+        loss = loss_fn(model)
         _backward(loss, parameters, backward)
         record.append((f"loss {step}", loss.detach().clone()))
         optimizer.step()
