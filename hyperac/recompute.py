@@ -263,15 +263,17 @@ class _CacheAsBefore:
 # against such writes would cost what recompute saves. So the region notes the version counter of
 # each tensor argument as its forward starts; a counter that moved by the end of the forward, or by
 # the start of a replay, raises :class:`InputWrittenError` naming the layer and ``layers={i: "off"}``,
-# which leaves the layer's saved tensors to autograd. For the replay to get that far, each plain
-# positional tensor is passed on as an alias with a version counter of its own (``_unsafe_view``, no
-# copy) twice: checkpoint saves one, which no one else holds, so its version check passes; the layer
-# sees another, made inside the region (again in each replay), so that a write by the layer, or by a
-# caller into what the layer returned, moves only that alias's counter, which the region watches with
-# the caller's tensor's. Checked only where the region runs eagerly (under torch.compile a traced
-# region is the compiler's); tensor subclasses (DTensor) are passed as they are, so for them torch's
-# error stands.
-
+# which leaves the layer's saved tensors to autograd. The layer gets each plain positional tensor as
+# an alias made inside the region (again in each replay), on the same storage but with a version
+# counter of its own (``_unsafe_view``, no copy): a write by the layer moves only that counter, and
+# the tensor checkpoint saved keeps its version, so torch's check does not fire before hyperac's.
+# After the forward the region lets go of the aliases (swap may free or move the input's storage)
+# and keeps, detached, only the outputs that lie on an input's storage (the layer returned its input
+# or a view of it): a caller that writes into one moves its counter, which the replay checks first.
+# A caller that writes into the tensor it passed (``x += layer(x)``) meets torch's own check of the
+# saved input instead. Keyword tensors, which the region holds anyway, are watched throughout.
+# Checked only where the region runs eagerly (under torch.compile a traced region is the
+# compiler's); tensor subclasses (DTensor) are passed on as they are.
 
 def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     for position, value in enumerate(args):
@@ -297,16 +299,23 @@ class _Region:
     def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], fqn: str, index: int | None) -> None:
         self.call, self.kwargs, self.fqn, self.index = call, kwargs, fqn, index
         self.caches = [_CacheAsBefore(name, kwargs[name]) for name in CACHE_KWARGS if kwargs.get(name) is not None]
+        self.watched = False
         self.inputs: list[tuple[str, torch.Tensor, int]] = []
+        """``(argument, tensor, version)`` to check: what the layer was given while its forward runs;
+        then its keyword tensors and detached aliases of its outputs on an input's storage."""
         self.forward_done = False
 
     def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple) -> Any:
-        """The region's forward, ``start(args)()``, with its tensor inputs watched
-        (NOTE [Inputs written in place])."""
-        own = _with_own_counters(args)
-        self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, self.kwargs)]
-        output = start(own)()
+        """The region's forward, ``start(args)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
+        self.watched = True
+        self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
+        output = start(args)()
         self._check_inputs("by the layer's own forward")
+        given = {tensor.untyped_storage()._cdata for _, tensor, _ in self.inputs}
+        escaped = [t.detach() for t in tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in given]
+        self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
+        self.inputs += [("returned by the layer as its output", tensor, tensor._version) for tensor in escaped]
         return output
 
     def _check_inputs(self, when: str) -> None:
@@ -322,9 +331,9 @@ class _Region:
                 )
 
     def __call__(self, *args: Any) -> Any:
-        if not self.caches and not self.inputs:  # no Python state here: under torch.compile that breaks the graph
+        if not self.caches and not self.watched:  # no Python state here: under torch.compile that breaks the graph
             return self.call(*args, **self.kwargs)
-        if self.inputs:
+        if self.watched:
             if self.forward_done:
                 self._check_inputs("after the layer returned")
             args = _with_own_counters(args)
