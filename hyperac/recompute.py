@@ -308,14 +308,14 @@ class _Region:
     def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple) -> Any:
         """The region's forward, ``start(args)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
         self.watched = True
-        self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
+        keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
+        self.inputs = list(keywords)  # the positional aliases join in the first call
         output = start(args)()
         self._check_inputs("by the layer's own forward")
         given = {tensor.untyped_storage()._cdata for _, tensor, _ in self.inputs}
         escaped = [t.detach() for t in tree_leaves(output)
                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in given]
-        self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
-        self.inputs += [("returned by the layer as its output", tensor, tensor._version) for tensor in escaped]
+        self.inputs = keywords + [("returned by the layer as its output", t, t._version) for t in escaped]
         return output
 
     def _check_inputs(self, when: str) -> None:
