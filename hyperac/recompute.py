@@ -263,15 +263,15 @@ class _CacheAsBefore:
 # against such writes would cost what recompute saves. So the region notes the version counter of
 # each tensor argument as its forward starts; a counter that moved by the end of the forward, or by
 # the start of a replay, raises :class:`InputWrittenError` naming the layer and ``layers={i: "off"}``,
-# which leaves the layer's saved tensors to autograd. The layer gets each plain positional tensor as
-# an alias made inside the region (again in each replay), on the same storage but with a version
-# counter of its own (``_unsafe_view``, no copy): a write by the layer moves only that counter, and
-# the tensor checkpoint saved keeps its version, so torch's check does not fire before hyperac's.
-# After the forward the region lets go of the aliases (swap may free or move the input's storage)
-# and keeps, detached, only the outputs that lie on an input's storage (the layer returned its input
-# or a view of it): a caller that writes into one moves its counter, which the replay checks first.
-# A caller that writes into the tensor it passed (``x += layer(x)``) meets torch's own check of the
-# saved input instead. Keyword tensors, which the region holds anyway, are watched throughout.
+# which leaves the layer's saved tensors to autograd. For the replay to get that far, checkpoint is
+# given (and saves) each plain positional tensor as an alias on the same storage with a version
+# counter of its own (``_unsafe_view``, no copy), which no one else holds, so torch's version check
+# of its saved inputs passes; the layer's forward still gets the caller's tensors themselves, so its
+# autograd graph is the un-applied one, node for node (gradients accumulate in the same order), and
+# a write into them, or into what the layer returned of them, moves the counters the region watches.
+# Under swap the saved inputs are passed as they are (an alias would make swap see their storage as
+# shared) and the region lets go of them after the forward, so swap can free or move them: there,
+# only writes during the forward are caught, and a caller's later write meets torch's check.
 # Checked only where the region runs eagerly (under torch.compile a traced region is the
 # compiler's); tensor subclasses (DTensor) are passed on as they are.
 
@@ -300,22 +300,24 @@ class _Region:
         self.call, self.kwargs, self.fqn, self.index = call, kwargs, fqn, index
         self.caches = [_CacheAsBefore(name, kwargs[name]) for name in CACHE_KWARGS if kwargs.get(name) is not None]
         self.watched = False
+        self.given: tuple | None = None
+        """The caller's positional arguments, which the layer's forward gets (NOTE [Inputs written in place])."""
         self.inputs: list[tuple[str, torch.Tensor, int]] = []
-        """``(argument, tensor, version)`` to check: what the layer was given while its forward runs;
-        then its keyword tensors and detached aliases of its outputs on an input's storage."""
+        """``(argument, tensor, version)`` of each tensor argument to check."""
         self.forward_done = False
 
-    def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple) -> Any:
-        """The region's forward, ``start(args)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
-        self.watched = True
+    def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple, swapped: bool) -> Any:
+        """The region's forward, ``start(...)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
+        self.watched, self.given = True, args
         keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
-        self.inputs = list(keywords)  # the positional aliases join in the first call
-        output = start(args)()
+        self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, {})] + keywords
+        try:
+            output = start(args if swapped else _with_own_counters(args))()
+        finally:
+            self.given = None
         self._check_inputs("by the layer's own forward")
-        given = {tensor.untyped_storage()._cdata for _, tensor, _ in self.inputs}
-        escaped = [t.detach() for t in tree_leaves(output)
-                   if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in given]
-        self.inputs = keywords + [("returned by the layer as its output", t, t._version) for t in escaped]
+        if swapped:  # let go of the positional inputs, which swap may free or move
+            self.inputs = keywords
         return output
 
     def _check_inputs(self, when: str) -> None:
@@ -333,14 +335,11 @@ class _Region:
     def __call__(self, *args: Any) -> Any:
         if not self.caches and not self.watched:  # no Python state here: under torch.compile that breaks the graph
             return self.call(*args, **self.kwargs)
-        if self.watched:
-            if self.forward_done:
-                self._check_inputs("after the layer returned")
-            args = _with_own_counters(args)
         if not self.forward_done:
             self.forward_done = True
-            self.inputs += [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, {})]
-            return self.call(*args, **self.kwargs)
+            return self.call(*(args if self.given is None else self.given), **self.kwargs)
+        if self.watched:
+            self._check_inputs("after the layer returned")
         replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.fqn) for cache in self.caches}}
         return self.call(*args, **replay_kwargs)
 
@@ -368,9 +367,9 @@ class RecomputedForward(Override):
         region = _Region(call, kwargs, self.fqn, self.index)
         start = functools.partial(self._start, region, kwargs)
         if not torch.compiler.is_compiling():
-            return region.run_watched(start, args)
+            return region.run_watched(start, args, self.swap is not None)
         if self._untraceable():
-            return _eager_region(functools.partial(region.run_watched, start, args))
+            return _eager_region(functools.partial(region.run_watched, start, args, self.swap is not None))
         return start(args)()
 
     def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
