@@ -54,6 +54,8 @@ _MATMUL_OPS = (
 )
 _ALWAYS_KEEP_OPS = ("aten::max.default", "aten::convolution", "aten::upsample_bilinear2d")
 _ALWAYS_RECOMPUTE_OPS = ("aten::topk",)
+_UNANNOTATED_ALIAS_OPS = ("aten::_unsafe_view",)
+"""aten ops whose output may share an input's storage although their schema does not say so."""
 _PROFILER_OPS = (
     "profiler::_record_function_enter",
     "profiler::_record_function_enter_new",
@@ -106,15 +108,17 @@ class OpSets:
     recompute: frozenset
     ignored: frozenset
     table: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
-    """``id(op) -> (kind, written arguments, keyed)``, filled as ops are first seen; ids are stable
-    because the table also holds the op (ops are never freed while it exists)."""
+    """``id(op) -> (kind, written arguments, keyed, unannotated alias)``, filled as ops are first seen;
+    ids are stable because the table also holds the op (ops are never freed while it exists)."""
 
     def __reduce__(self) -> tuple:
         # The table is keyed by ids of this process: a copy or an unpickled OpSets starts empty.
         return OpSets, (self.matmul, self.keep, self.recompute, self.ignored)
 
-    def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool]:
-        """``(kind, written arguments, keyed)`` of ``op``; cached."""
+    def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool, bool]:
+        """``(kind, written arguments, keyed, unannotated alias)`` of ``op``; cached. The last: its
+        output may share an input's storage with a version counter of its own
+        (NOTE [Aliases with their own version counter])."""
         entry = self.table.get(id(op))
         if entry is not None:
             return entry[0]
@@ -134,7 +138,10 @@ class OpSets:
             for position, argument in enumerate(schema.arguments)
             if argument.alias_info is not None and argument.alias_info.is_write
         )
-        info = (kind, writes, isinstance(op, torch._ops.HigherOrderOperator))
+        keyed = isinstance(op, torch._ops.HigherOrderOperator)
+        unannotated = (keyed or schema is None or schema.name in _UNANNOTATED_ALIAS_OPS
+                       or not schema.name.startswith("aten::"))
+        info = (kind, writes, keyed, unannotated)
         self.table[id(op)] = (info, op)
         return info
 
@@ -335,12 +342,15 @@ class _RecordingMode(_EagerMode):
     own: ``matmul`` on 3-d inputs returns ``_unsafe_view(mm(...))``, CPU attention's math path a
     view of a ``bmm``. A caller that writes into the layer's output after the region returned
     (``h.mul_(2)``, a residual ``h += x``, the next layer writing its input) bumps only that
-    alias's counter. So every op output of the forward that lies on a kept storage is watched too:
-    a detached alias of it (sharing its counter, not holding its autograd graph) and its version
-    go on the :class:`_Kept`, and the kept output is trusted only if no watched counter moved.
-    Any later write reaches the storage through one of these tensors or a view of one (a view
-    shares its base's counter), so the check is exact and costs one storage lookup per op output;
-    nothing is copied. Only an alias made without any op (``.data``, ``set_``) escapes it.
+    alias's counter. So each output of such an op that lies on a kept storage is watched too: a
+    detached alias of it (sharing its counter, not holding its autograd graph) and its version go
+    on the :class:`_Kept`, and the kept output is trusted only if no watched counter moved. Any
+    later write reaches the storage through the kept tensor, one of these, or a view of one (a view
+    shares its base's counter), so the check is exact; nothing is copied. Which ops can return such
+    an alias comes from the schema: an aten op declares the outputs that alias an input (views,
+    which share counters), except ``_unsafe_view``; an op of another namespace (a custom kernel) or
+    a higher-order op is not trusted to declare it. Only those ops pay the storage lookup. Only an
+    alias made without any op (``.data``, ``set_``) escapes the check.
     """
 
     def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[[torch.Tensor], None] | None) -> None:
@@ -355,13 +365,13 @@ class _RecordingMode(_EagerMode):
         if kwargs is None:
             kwargs = {}
         entry = self.table.get(id(func))
-        kind, writes, keyed = self.policy.ops.classify(func) if entry is None else entry[0]
+        kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get():
             return func(*args, **kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         out = func(*args, **kwargs)
-        if self.kept_storages:
+        if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
         self.tape.entries.append(self._keep(func, out) if kind >= _MATMUL and self.policy.keeps(kind) else None)
@@ -478,7 +488,7 @@ class _ReplayMode(_EagerMode):
         if kwargs is None:
             kwargs = {}
         entry = self.table.get(id(func))
-        kind, _, keyed = self.ops.classify(func) if entry is None else entry[0]
+        kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get():
             return func(*args, **kwargs)
         tape, index = self.tape, self.cursor
