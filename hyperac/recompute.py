@@ -366,11 +366,11 @@ class RecomputedForward(Override):
             return call(*args, **kwargs)
         region = _Region(call, kwargs, self.fqn, self.index)
         start = functools.partial(self._start, region, kwargs)
-        if not torch.compiler.is_compiling():
-            return region.run_watched(start, args, self.swap is not None)
-        if self._untraceable():
-            return _eager_region(functools.partial(region.run_watched, start, args, self.swap is not None))
-        return start(args)()
+        if torch.compiler.is_compiling() and not self._untraceable():
+            return start(args)()
+        # Outside the graph even when not tracing: a compiled model that fell back to eager at a
+        # graph break would otherwise compile this frame (NOTE [Eager regions under torch.compile]).
+        return _eager_region(functools.partial(region.run_watched, start, args, self.swap is not None))
 
     def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
         """What runs the region's forward on ``args``: the recompute, within the swap if any."""
