@@ -9,7 +9,7 @@ and hypothesis shrinks the program to a minimal one. Programs the un-applied mod
 write into a tensor autograd saved) are skipped.
 
 The default suite runs a quick profile (``HYPERAC_FUZZ_EXAMPLES``, default 30 programs, fixed seeds,
-about 20 s of CPU); ``tox -e fuzz`` the long one (2,000 programs). With ``HYPERAC_FUZZ_REPORT=path``
+about 25 s of CPU); ``tox -e fuzz`` the long one (2,000 programs). With ``HYPERAC_FUZZ_REPORT=path``
 the counts per mode and outcome are written there as JSON.
 """
 
