@@ -348,7 +348,7 @@ def _install(
                 install_exclusion(module, state, fqn)
         for fqn, module in roots:
             if claim(module):
-                install_recompute(module, state, fqn, context, layer_swap)
+                install_recompute(module, state, fqn, context, layer_swap, index)
 
 
 def _install_compiled(layer: Layer, mode: str, offloads: bool, regions: dict, backend: Backend, ops: OpSets | None,

@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "HyperACError",
     "HyperACWarning",
+    "InputWrittenError",
     "RecomputeMismatchError",
     "TorchVersionError",
     "UnsupportedModelError",
@@ -39,6 +40,11 @@ class UnsupportedModelError(HyperACError, TypeError):
 class RecomputeMismatchError(HyperACError, RuntimeError):
     """A recomputed layer ran other ops in backward than in forward: its forward depends on state
     that it changes (a counter, an observer), so the recompute cannot reproduce it."""
+
+
+class InputWrittenError(HyperACError, RuntimeError):
+    """A recomputed layer's input was written in place, by the layer itself or after it returned:
+    its replay in backward would read the written value, not the one its forward read."""
 
 
 class TorchVersionError(HyperACError, RuntimeError):

@@ -56,6 +56,8 @@ _MATMUL_OPS = (
 )
 _ALWAYS_KEEP_OPS = ("aten::max.default", "aten::convolution", "aten::upsample_bilinear2d")
 _ALWAYS_RECOMPUTE_OPS = ("aten::topk",)
+_UNANNOTATED_ALIAS_OPS = ("aten::_unsafe_view",)
+"""aten ops whose output may share an input's storage although their schema does not say so."""
 _PROFILER_OPS = (
     "profiler::_record_function_enter",
     "profiler::_record_function_enter_new",
@@ -111,15 +113,17 @@ class OpSets:
     """The collectives among ``keep``: their outputs are kept in every recording mode and never
     replayed (a replayed collective would run again on one rank only)."""
     table: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
-    """``id(op) -> (kind, written arguments, keyed)``, filled as ops are first seen; ids are stable
-    because the table also holds the op (ops are never freed while it exists)."""
+    """``id(op) -> (kind, written arguments, keyed, unannotated alias)``, filled as ops are first seen;
+    ids are stable because the table also holds the op (ops are never freed while it exists)."""
 
     def __reduce__(self) -> tuple:
         # The table is keyed by ids of this process: a copy or an unpickled OpSets starts empty.
         return OpSets, (self.matmul, self.keep, self.recompute, self.ignored, self.communication)
 
-    def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool]:
-        """``(kind, written arguments, keyed)`` of ``op``; cached."""
+    def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool, bool]:
+        """``(kind, written arguments, keyed, unannotated alias)`` of ``op``; cached. The last: its
+        output may share an input's storage with a version counter of its own
+        (NOTE [Aliases with their own version counter])."""
         entry = self.table.get(id(op))
         if entry is not None:
             return entry[0]
@@ -139,7 +143,10 @@ class OpSets:
             for position, argument in enumerate(schema.arguments)
             if argument.alias_info is not None and argument.alias_info.is_write
         )
-        info = (kind, writes, isinstance(op, torch._ops.HigherOrderOperator))
+        keyed = isinstance(op, torch._ops.HigherOrderOperator)
+        unannotated = (keyed or schema is None or schema.name in _UNANNOTATED_ALIAS_OPS
+                       or not schema.name.startswith("aten::"))
+        info = (kind, writes, keyed, unannotated)
         self.table[id(op)] = (info, op)
         return info
 
@@ -220,19 +227,31 @@ def set_rng_states(states: RngStates) -> None:
 
 
 class _Kept:
-    """The output of one op that the policy keeps: detached tensors and the versions they had."""
+    """The output of one op that the policy keeps: detached tensors and the versions they had, and
+    the aliases of their storages whose version counters are their own
+    (NOTE [Aliases with their own version counter])."""
 
-    __slots__ = ("leaves", "rng", "spec", "versions")
+    __slots__ = ("aliases", "leaves", "rng", "spec", "versions")
 
     def __init__(self, leaves: list[Any], spec: Any, rng: RngStates | None) -> None:
         self.leaves = leaves
         self.spec = spec
         self.versions = [leaf._version if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         self.rng = rng
+        self.aliases: list[tuple[int, torch.Tensor, int]] = []
+        """``(leaf position, detached alias, its version)`` per alias met in the forward."""
 
     def intact(self) -> bool:
-        """No write changed a kept tensor since it was kept (or last replaced by a copy)."""
-        return all(version is None or leaf._version == version for leaf, version in zip(self.leaves, self.versions))
+        """No write changed a kept tensor, through itself or any alias met in the forward, since it
+        was kept (or last replaced by a copy)."""
+        return all(
+            version is None or leaf._version == version for leaf, version in zip(self.leaves, self.versions)
+        ) and all(alias._version == version for _, alias, version in self.aliases)
+
+    def replace(self, position: int, copy: torch.Tensor) -> None:
+        """Hold ``copy``, hyperac's own, instead of the leaf at ``position``: no alias reaches it."""
+        self.leaves[position], self.versions[position] = copy, copy._version
+        self.aliases = [entry for entry in self.aliases if entry[0] != position]
 
     def value(self) -> Any:
         return self.leaves[0] if self.spec is None else tree_unflatten(self.leaves, self.spec)
@@ -316,6 +335,22 @@ class _RecordingMode(_EagerMode):
     excluded module) changes the kept tensor's version: the replay then runs the op again instead
     of returning it (NOTE [Replays that cannot use the tape]). So no flag to allow cache mutation is
     needed, and none exists.
+
+    NOTE [Aliases with their own version counter]
+    The version check above sees writes through the kept tensor and its views, which share its
+    version counter. Some ops return a tensor on the kept output's storage with a counter of its
+    own: ``matmul`` on 3-d inputs returns ``_unsafe_view(mm(...))``, CPU attention's math path a
+    view of a ``bmm``. A caller that writes into the layer's output after the region returned
+    (``h.mul_(2)``, a residual ``h += x``, the next layer writing its input) bumps only that
+    alias's counter. So each output of such an op that lies on a kept storage is watched too: a
+    detached alias of it (sharing its counter, not holding its autograd graph) and its version go
+    on the :class:`_Kept`, and the kept output is trusted only if no watched counter moved. Any
+    later write reaches the storage through the kept tensor, one of these, or a view of one (a view
+    shares its base's counter), so the check is exact; nothing is copied. Which ops can return such
+    an alias comes from the schema: an aten op declares the outputs that alias an input (views,
+    which share counters), except ``_unsafe_view``; an op of another namespace (a custom kernel) or
+    a higher-order op is not trusted to declare it. Only those ops pay the storage lookup. Only an
+    alias made without any op (``.data``, ``set_``) escapes the check.
     """
 
     def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[[torch.Tensor], None] | None) -> None:
@@ -353,12 +388,14 @@ class _RecordingMode(_EagerMode):
         if kwargs is None:
             kwargs = {}
         entry = self.table.get(id(func))
-        kind, writes, keyed = self.policy.ops.classify(func) if entry is None else entry[0]
+        kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get():
             return func(*args, **kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         out = func(*args, **kwargs)
+        if unannotated and self.kept_storages:
+            self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
         self.tape.entries.append(self._keep(func, out) if kind >= _MATMUL and self.policy.keeps(kind) else None)
         if func in self.policy.ops.communication:
@@ -382,6 +419,15 @@ class _RecordingMode(_EagerMode):
                 self.kept_storages.setdefault(leaf.untyped_storage()._cdata, []).append((kept, position))
         return kept
 
+    def _watch_aliases(self, out: Any) -> None:
+        """Watch the outputs of an op that lie on a kept storage (NOTE [Aliases with their own version counter])."""
+        for tensor in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            for kept, leaf in self.kept_storages.get(tensor.untyped_storage()._cdata, ()):
+                alias = torch_recompute._detach_helper(tensor)
+                kept.aliases.append((leaf, alias, alias._version))
+
     def _copy_before_write(self, writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
         for position, name in writes:
             value = args[position] if position < len(args) else kwargs.get(name)
@@ -390,7 +436,7 @@ class _RecordingMode(_EagerMode):
                     continue
                 for kept, leaf in self.kept_storages.pop(tensor.untyped_storage()._cdata, ()):
                     copy = kept.leaves[leaf].clone()
-                    kept.leaves[leaf], kept.versions[leaf] = copy, copy._version
+                    kept.replace(leaf, copy)
                     if self.on_save is not None:
                         self.on_save(copy)
 
@@ -530,7 +576,7 @@ class _ReplayMode(_EagerMode):
         if kwargs is None:
             kwargs = {}
         entry = self.table.get(id(func))
-        kind, _, keyed = self.ops.classify(func) if entry is None else entry[0]
+        kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get():
             return func(*args, **kwargs)
         tape, index = self.tape, self.cursor

@@ -32,20 +32,20 @@ import contextvars
 import copy
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_recompute
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ._compat import SAC_CHECKPOINT_KWARGS
 from ._hf import CACHE_KWARGS
 from .backends import Backend
 from .buffers import BufferSnapshots
 from .config import SELECTIVE_MODES
-from .errors import UnsupportedModelError
+from .errors import InputWrittenError, UnsupportedModelError
 from .policy import (
     OpSets,
     bypass_replay,
@@ -78,14 +78,20 @@ _current_frame: contextvars.ContextVar[_RegionFrame | None] = contextvars.Contex
 )
 
 
-@contextlib.contextmanager
-def _frame_scope(frame: _RegionFrame, replaying: bool):
-    frame.replaying = replaying
-    token = _current_frame.set(frame)
-    try:
-        yield
-    finally:
-        _current_frame.reset(token)
+class _FrameScope:
+    """Makes ``frame`` the current region frame while entered, marked as replaying or not; entered
+    once per forward and once per replay (a second backward replays again)."""
+
+    def __init__(self, frame: _RegionFrame, replaying: bool) -> None:
+        self.frame, self.replaying = frame, replaying
+        self.tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> None:
+        self.frame.replaying = self.replaying
+        self.tokens.append(_current_frame.set(self.frame))
+
+    def __exit__(self, *exc: Any) -> None:
+        _current_frame.reset(self.tokens.pop())
 
 
 class _Both:
@@ -147,7 +153,7 @@ class RecomputeContext:
         if not self.has_exclusions:
             return forward_ctx, replay_ctx
         frame = _RegionFrame()
-        return _Both(_frame_scope(frame, False), forward_ctx), _Both(_frame_scope(frame, True), replay_ctx)
+        return _Both(_FrameScope(frame, False), forward_ctx), _Both(_FrameScope(frame, True), replay_ctx)
 
 
 def build_context_fn(
@@ -257,6 +263,45 @@ class _CacheAsBefore:
 # and across applies (the planner's profile compiles the same graphs the plan then uses).
 
 
+# NOTE [Inputs written in place]
+# ``torch.utils.checkpoint`` replays a layer on the very tensors its forward was given. A write into
+# one of them, by the layer's own forward (``x.mul_(2)``) or by the caller after the layer returned
+# (the layer returned its input or a view of it, and the caller wrote into that), makes the replay
+# read the written value: wrong gradients, or torch's "modified by an inplace operation" error
+# (checkpoint saves its positional inputs with their versions), which names neither the layer nor a
+# fix. An un-applied layer has no replay, so the same program runs. Keeping a copy of every input
+# against such writes would cost what recompute saves. So the region notes the version counter of
+# each tensor argument as its forward starts; a counter that moved by the end of the forward, or by
+# the start of a replay, raises :class:`InputWrittenError` naming the layer and ``layers={i: "off"}``,
+# which leaves the layer's saved tensors to autograd. For the replay to get that far, checkpoint is
+# given (and saves) each plain positional tensor as an alias on the same storage with a version
+# counter of its own (``_unsafe_view``, no copy), which no one else holds, so torch's version check
+# of its saved inputs passes; the layer's forward still gets the caller's tensors themselves, so its
+# autograd graph is the un-applied one, node for node (gradients accumulate in the same order), and
+# a write into them, or into what the layer returned of them, moves the counters the region watches.
+# Under swap the saved inputs are passed as they are (an alias would make swap see their storage as
+# shared) and the region lets go of them after the forward, so swap can free or move them: there,
+# only writes during the forward are caught, and a caller's later write meets torch's check.
+# Checked only where the region runs eagerly (under torch.compile a traced region is the
+# compiler's); tensor subclasses (DTensor) are passed on as they are.
+
+def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for position, value in enumerate(args):
+        for tensor in tree_leaves(value):
+            if isinstance(tensor, torch.Tensor):
+                yield f"positional argument {position}", tensor
+    for name, value in kwargs.items():
+        for tensor in tree_leaves(value) if name not in CACHE_KWARGS else ():
+            if isinstance(tensor, torch.Tensor):
+                yield f"argument {name}=", tensor
+
+
+def _with_own_counters(args: tuple) -> tuple:
+    """``args`` with each plain tensor replaced by an alias (the same storage, no copy) with a version
+    counter of its own (NOTE [Inputs written in place])."""
+    return tuple(torch.ops.aten._unsafe_view(a, a.shape) if type(a) is torch.Tensor else a for a in args)
+
+
 class _Region:
     """One recomputed call of a module's forward: ``torch.utils.checkpoint`` runs it once in forward
     and again for each replay (keyword arguments bound here, so none clash with checkpoint's own).
@@ -265,14 +310,47 @@ class _Region:
     def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], override: Override) -> None:
         self.call, self.kwargs, self.override = call, kwargs, override
         self.caches = [_CacheAsBefore(name, kwargs[name]) for name in CACHE_KWARGS if kwargs.get(name) is not None]
+        self.watched = False
+        self.given: tuple | None = None
+        """The caller's positional arguments, which the layer's forward gets (NOTE [Inputs written in place])."""
+        self.inputs: list[tuple[str, torch.Tensor, int]] = []
+        """``(argument, tensor, version)`` of each tensor argument to check."""
         self.forward_done = False
 
+    def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple, swapped: bool) -> Any:
+        """The region's forward, ``start(...)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
+        self.watched, self.given = True, args
+        keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
+        self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, {})] + keywords
+        try:
+            output = start(args if swapped else _with_own_counters(args))()
+        finally:
+            self.given = None
+        self._check_inputs("by the layer's own forward")
+        if swapped:  # let go of the positional inputs, which swap may free or move
+            self.inputs = keywords
+        return output
+
+    def _check_inputs(self, when: str) -> None:
+        for name, tensor, version in self.inputs:
+            if tensor._version != version:
+                raise InputWrittenError(
+                    f"hyperac: the input of recomputed layer {self.override.fqn!r} ({name}, a tensor of shape "
+                    f"{list(tensor.shape)}) was written in place {when} (its version went from {version} to "
+                    f"{tensor._version}), so the layer's replay in backward would read the written value instead "
+                    "of the one its forward read. Leave the layer out of recompute: hyperac.apply(model, ..., "
+                    f"layers={{{'<its index>' if self.override.index is None else self.override.index}: 'off'}}), "
+                    "or write into a copy (x = x.clone()) instead."
+                )
+
     def __call__(self, *args: Any) -> Any:
-        if not self.caches:  # no Python state written here: under torch.compile that would break the graph
+        if not self.caches and not self.watched:  # no Python state here: under torch.compile that breaks the graph
             return self.call(*args, **self.kwargs)
         if not self.forward_done:
             self.forward_done = True
-            return self.call(*args, **self.kwargs)
+            return self.call(*(args if self.given is None else self.given), **self.kwargs)
+        if self.watched:
+            self._check_inputs("after the layer returned")
         replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.override.fqn) for cache in self.caches}}
         return self.call(*args, **replay_kwargs)
 
@@ -283,10 +361,12 @@ class RecomputedForward(Override):
     mode, the op outputs the context asks for) live in host memory between forward and backward."""
 
     def __init__(
-        self, module: nn.Module, owner: AppliedState, fqn: str, context: RecomputeContext | None, swap: LayerSwap | None
+        self, module: nn.Module, owner: AppliedState, fqn: str, context: RecomputeContext | None,
+        swap: LayerSwap | None, index: int | None = None,
     ) -> None:
         super().__init__(module, owner, fqn)
         self.swap = swap
+        self.index = index
         # Eager regions keep their buffer updates single (NOTE [Buffers in the replay] in buffers.py).
         compiled = context is not None and context.compile
         self.context = context if compiled else BufferSnapshots.wrap(module, context)
@@ -296,15 +376,22 @@ class RecomputedForward(Override):
         if not _training(module):
             return call(*args, **kwargs)
         region = _Region(call, kwargs, self)
+        start = functools.partial(self._start, region, kwargs)
+        if torch.compiler.is_compiling() and not self._untraceable():
+            return start(args)()
+        # Outside the graph even when not tracing: a compiled model that fell back to eager at a
+        # graph break would otherwise compile this frame (NOTE [Eager regions under torch.compile]).
+        return _eager_region(functools.partial(region.run_watched, start, args, self.swap is not None))
+
+    def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
+        """What runs the region's forward on ``args``: the recompute, within the swap if any."""
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)
         if self.swap is not None:
             run = functools.partial(self.swap.manager.run_layer, self.swap.offload, run, (args, kwargs),
                                     self.swap.saved_tensors)
-        if torch.compiler.is_compiling() and self._untraceable():
-            return _eager_region(run)
-        return run()
+        return run
 
     def _untraceable(self) -> bool:
         """Whether torch.compile cannot trace this region (NOTE [Eager regions under torch.compile])."""
@@ -352,10 +439,12 @@ class ExcludedForward(Override):
 
 
 def install_recompute(
-    module: nn.Module, owner: AppliedState, fqn: str, context: RecomputeContext | None, swap: LayerSwap | None = None
+    module: nn.Module, owner: AppliedState, fqn: str, context: RecomputeContext | None, swap: LayerSwap | None = None,
+    index: int | None = None,
 ) -> None:
-    """Make ``module`` recompute its forward in backward (sets ``module.forward``)."""
-    RecomputedForward(module, owner, fqn, context, swap).install()
+    """Make ``module`` recompute its forward in backward (sets ``module.forward``); ``index``, the
+    flat index of its layer, names the fix in errors."""
+    RecomputedForward(module, owner, fqn, context, swap, index).install()
 
 
 def install_swap(module: nn.Module, owner: AppliedState, fqn: str, swap: LayerSwap) -> None:

@@ -231,8 +231,19 @@ class _Profiler(TorchDispatchMode):
 
 class _Boundary:
     """Forward hook (or pre-hook) on a layer: tells ``listener.boundary(position, kind)`` when the
-    layer's forward starts and ends and, through gradient hooks on its output and input, when its
-    backward starts and ends."""
+    layer's forward starts and ends and, through pre-hooks on the autograd nodes that made its output
+    and its input, when its backward starts and ends.
+
+    NOTE [No hooks on the user's tensors]
+    ``Tensor.register_hook`` on a layer's output crashes the process (a segfault in PyTorch 2.13)
+    when the output is a view that the caller then writes through a further view
+    (``v.unsqueeze(0).squeeze(0).sub_(...)``): profiling must not put the user's process at risk.
+    A pre-hook on the node (``grad_fn.register_prehook``) fires at the same moment, when the node
+    is about to run with the gradient complete, and touches no tensor. A node that a later in-place
+    write takes out of the graph never fires; a leaf input has no node. Either way the layer's
+    backward boundary is missing from the profile, and its backward ops count toward the nearest
+    layer still running, as ops outside any layer do.
+    """
 
     def __init__(self, listener: Any, position: int, kind: str) -> None:
         self.listener, self.position, self.kind = listener, position, kind
@@ -243,10 +254,10 @@ class _Boundary:
             return
         # forward-start: (module, args, kwargs) -> the input; forward-end: (module, args, output).
         values = tree_flatten(args[1:] if self.kind == "forward-start" else args[2])[0]
-        tensor = next((t for t in values if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if tensor is not None:
+        node = next((t.grad_fn for t in values if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if node is not None:  # NOTE [No hooks on the user's tensors]
             kind = "backward-end" if self.kind == "forward-start" else "backward-start"
-            tensor.register_hook(_Boundary(self.listener, self.position, kind))
+            node.register_prehook(_Boundary(self.listener, self.position, kind))
 
 
 def _watch(listener: Any, layer_modules: Sequence[nn.Module]) -> list:

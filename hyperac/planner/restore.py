@@ -3,6 +3,13 @@
 Gradients (backward accumulates into ``.grad`` in place), buffers (BatchNorm statistics,
 counters), random-number generators (dropout draws), and ``module.training`` flags are as they
 were when profiling ends, whether it ends normally or with an error.
+
+NOTE [Rebound buffers]
+A forward may update a buffer in place (``running_mean.mul_(...)``) or rebind it
+(``self.count = self.count + 1`` puts a new tensor in the module's ``_buffers`` slot). So each slot
+gets back the tensor object it held, and that tensor gets back its values: the model is
+bit-identical, and whoever held a reference to the old buffer (an optimizer, a tied module) still
+holds the model's.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ def side_effects_undone(model: nn.Module, device_type: str) -> Iterator[None]:
 
     ``device_type``: where the model's tensors live, so that its generators are restored too."""
     grads = {p: p.grad for p in model.parameters()}
+    slots = [(module, dict(module._buffers)) for module in model.modules()]
     buffers = {b: b.detach().clone() for b in model.buffers() if b.device.type != "meta"}
     training = {m: m.training for m in model.modules()}
     with _fork_rng(device_type):
@@ -39,6 +47,9 @@ def side_effects_undone(model: nn.Module, device_type: str) -> Iterator[None]:
         finally:
             for parameter, grad in grads.items():
                 parameter.grad = grad
+            for module, held in slots:  # NOTE [Rebound buffers]
+                module._buffers.clear()
+                module._buffers.update(held)
             with torch.no_grad():
                 for buffer, value in buffers.items():
                     buffer.copy_(value)
