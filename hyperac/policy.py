@@ -353,7 +353,7 @@ class _RecordingMode(_EagerMode):
     alias made without any op (``.data``, ``set_``) escapes the check.
     """
 
-    def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[[torch.Tensor], None] | None) -> None:
+    def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[..., None] | None) -> None:
         super().__init__()
         self.tape = tape
         self.policy = policy
@@ -427,6 +427,8 @@ class _RecordingMode(_EagerMode):
             for kept, leaf in self.kept_storages.get(tensor.untyped_storage()._cdata, ()):
                 alias = torch_recompute._detach_helper(tensor)
                 kept.aliases.append((leaf, alias, alias._version))
+                if self.on_save is not None:
+                    self.on_save(alias, watcher=True)
 
     def _copy_before_write(self, writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
         for position, name in writes:

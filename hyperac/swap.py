@@ -272,7 +272,8 @@ def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Te
 class _Entry:
     """One storage of a group: its device bytes, host copy and reloaded bytes."""
 
-    __slots__ = ("nbytes", "device", "device_bytes", "storage_ref", "host", "cached", "in_place", "pool", "__weakref__")
+    __slots__ = ("nbytes", "device", "device_bytes", "storage_ref", "host", "cached", "watchers", "in_place", "pool",
+                 "__weakref__")
 
     def __init__(self, storage: torch.UntypedStorage, device: torch.device, pool: HostPool, in_place: bool):
         self.nbytes = storage.nbytes()
@@ -284,6 +285,9 @@ class _Entry:
         # Op outputs a selective policy keeps, held weakly: one still alive after the layer ended
         # is held by someone besides the cache (NOTE [Swapping selective outputs]).
         self.cached: list[weakref.ref] = []
+        self.watchers: list[weakref.ref] = []
+        """Aliases the selective cache holds to watch writes (NOTE [Aliases with their own version
+        counter] in policy.py): expected holders, like the cache's own alias of each kept output."""
         self.in_place = in_place
         self.pool = pool
 
@@ -291,10 +295,11 @@ class _Entry:
         """Whether a kept op output of this storage is referenced outside the selective cache."""
         if any(ref() is not None for ref in self.cached):
             return True
-        # Expected holders: the cache's detached alias of each kept output, device_bytes, and the
-        # storage's Python object. A view or alias kept anywhere else adds one.
+        # Expected holders: the cache's detached alias of each kept output and each watched alias,
+        # device_bytes, and the storage's Python object. A view or alias kept anywhere else adds one.
         storage = self.device_bytes.untyped_storage()
-        return storage_use_count(storage._cdata) > len(self.cached) + 2
+        return storage_use_count(storage._cdata) > len(self.cached) + sum(
+            ref() is not None for ref in self.watchers) + 2
 
     def release_host(self) -> None:
         if self.host is not None:
@@ -406,8 +411,14 @@ class SwapGroup:
     def _live_saved(self) -> list[_Saved]:
         return [saved for ref in self.saved if (saved := ref()) is not None]
 
-    def register_cached(self, tensor: torch.Tensor) -> None:
-        """Swap a tensor a selective policy keeps (NOTE [Swapping selective outputs])."""
+    def register_cached(self, tensor: torch.Tensor, watcher: bool = False) -> None:
+        """Swap a tensor a selective policy keeps (NOTE [Swapping selective outputs]); with
+        ``watcher``, ``tensor`` is an alias the cache holds of a kept storage, not a kept output."""
+        if watcher:
+            entry = self.entries.get(tensor.untyped_storage()._cdata)
+            if entry is not None:
+                entry.watchers.append(weakref.ref(tensor))
+            return
         reason = self.manager.ineligible(tensor)
         if reason is not None:
             self.manager.stats.skipped[reason] += 1
