@@ -512,6 +512,28 @@ def test_plan_output_is_what_apply_reads(files, capsys, tmp_path):
         hyperac.remove(model)
 
 
+def estimate_rows(stdout, layers):
+    """Per layer, the estimate table's row of MiB kept per mode (the ms are left out)."""
+    return [re.findall(r"([\d.]+)/[\d.]+", re.search(rf"^\s*{i}\s+model\.layers\.{i}\s+(.*)$", stdout, re.M).group(1))
+            for i in range(layers)]
+
+
+def test_plan_max_seq_len_plans_for_that_length(files, capsys, tmp_path):
+    """``--max-seq-len 128`` at ``--seq 32``: the costs fitted from lengths 16 and 32 to 128, as
+    apply(mode="auto", max_seq_len=) plans; on Llama they are the bytes estimated at 128 directly,
+    the plan says the length it is for, and so does the plan file."""
+    path = tmp_path / "plan.json"
+    common = ["--config", str(files / "config.json"), "--budget", "0.6", "--device", "cpu"]
+    fitted = run_plan([*common, "--seq", "32", "--max-seq-len", "128", "--output", str(path)], capsys)
+    direct = run_plan([*common, "--seq", "128"], capsys)
+    short = run_plan([*common, "--seq", "32"], capsys)
+    assert estimate_rows(fitted, 2) == estimate_rows(direct, 2) != estimate_rows(short, 2)
+    assert re.search(r"^plan for a budget of [\d.]+ GiB, for batches up to sequence length 128 \(costs fitted from "
+                     r"lengths 16 and 32\):$", fitted, re.M), fitted
+    assert "bytes fitted from lengths 16 and 32 to 128" in fitted
+    assert json.loads(path.read_text())["max_seq_len"] == 128
+
+
 def test_plan_builds_the_architecture_a_config_names(files, capsys):
     bert = dict(model_type="bert", architectures=["BertForMaskedLM"], hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
