@@ -47,8 +47,6 @@ def _load_config(args: argparse.Namespace) -> Any:
     from transformers import AutoConfig
 
     if args.preset is not None:
-        if args.preset not in PRESETS:
-            raise HyperACError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}.")
         settings = dict(PRESETS[args.preset])
     else:
         settings = _read_config_file(args.config)
@@ -337,6 +335,13 @@ def _run_demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
+def _preset(text: str) -> str:
+    """``--preset``: a known name (checked at parse time, before torch and transformers are imported)."""
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {', '.join(sorted(PRESETS))}")
+    return text
+
+
 def _entry_point(text: str) -> str:
     """``--model``: ``module:factory`` (checked for its shape here, imported when the plan runs)."""
     module, colon, attribute = text.partition(":")
@@ -376,7 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     source = plan_parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", metavar="CONFIG.json",
                         help="a local HF config.json (builds the architecture it names, else a causal LM)")
-    source.add_argument("--preset", help=f"one of: {', '.join(sorted(PRESETS))}")
+    source.add_argument("--preset", type=_preset, help=f"one of: {', '.join(sorted(PRESETS))}")
     source.add_argument("--model", metavar="MODULE:FACTORY", type=_entry_point,
                         help="a Python entry point: FACTORY() returns an nn.Module taking token ids (plain PyTorch, "
                              "torchtitan); it is called on the meta device")
