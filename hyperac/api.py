@@ -30,7 +30,7 @@ from .planner import (
 from .planner.lengths import LengthCheck
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_forced_recompute, install_recompute, install_swap
-from .state import STATE_KEY, AppliedState, find_owned, undo
+from .state import STATE_KEY, AppliedState, find_owned, install_hook, undo
 from .swap import LayerSwap, SwapManager, SwapStats, default_host_budget
 
 __all__ = ["applied_plan", "apply", "estimate", "remove", "swap_stats"]
@@ -286,7 +286,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
         if result.predicted_bytes is not None and result.max_seq_len is None:  # else shorter steps keep less
             install_first_step_check(model, result.predicted_bytes)
         if result.max_seq_len is not None:
-            model.register_forward_pre_hook(LengthCheck(state, result.max_seq_len, config.seq_dim), with_kwargs=True)
+            install_hook(model, LengthCheck(state, result.max_seq_len, config.seq_dim), pre=True, with_kwargs=True)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:
