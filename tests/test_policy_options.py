@@ -10,8 +10,7 @@ import pickle
 
 import pytest
 import torch
-from hyperac_testing import assert_parity, lm_loss, tiny_llama, train_step
-from torch import nn
+from hyperac_testing import BiasedMlp, Stack, assert_parity, lm_loss, tiny_llama, train_step
 
 import hyperac
 from hyperac import ConfigError
@@ -19,31 +18,6 @@ from hyperac.measure import flop_counter
 
 WIDTH, ROWS = 32, 4
 ONE_MATMUL = 2 * ROWS * WIDTH * WIDTH
-
-
-class Mlp(nn.Module):
-    """Three matmuls: ``up`` and ``gate`` are ``addmm`` (biased), ``down`` is ``mm``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, WIDTH)
-        self.gate = nn.Linear(WIDTH, WIDTH)
-        self.down = nn.Linear(WIDTH, WIDTH, bias=False)
-
-    def forward(self, x):
-        return x + self.down(self.up(x).relu() * self.gate(x).sigmoid())
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Mlp() for _ in range(3))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 _X = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(0))
@@ -60,7 +34,7 @@ def _replayed_matmuls(**options) -> float:
             _loss(model).backward()
         return counter.get_total_flops()
 
-    model = Stack()
+    model = Stack(BiasedMlp, num_blocks=3)
     base = flops(model)
     hyperac.apply(model, layers="blocks", backend="cpu", **options)
     return (flops(model) - base) / (3 * ONE_MATMUL)
@@ -101,7 +75,7 @@ def test_gradients_bitwise_on_llama_with_a_save_list_and_forced_modules():
 @pytest.mark.parametrize("copy_model", [copy.deepcopy, lambda model: pickle.loads(pickle.dumps(model))],
                          ids=["deepcopy", "pickle"])
 def test_copies_keep_the_save_list_and_forced_modules(copy_model):
-    model = Stack()
+    model = Stack(BiasedMlp, num_blocks=3)
     hyperac.apply(model, layers="blocks", backend="cpu", mode="selective", save_ops=["aten::mm"],
                   force_recompute=["up"])
     clone = copy_model(model)
@@ -125,7 +99,7 @@ def test_errors_name_the_value_and_a_fix():
         hyperac.Config(mode="auto", budget=0.5, sample={}, save_ops=[])
     with pytest.raises(ConfigError, match=r"force_recompute=\['up'\] does not combine with compile=True"):
         hyperac.Config(mode="selective", compile=True, force_recompute=["up"])
-    model = Stack()
+    model = Stack(BiasedMlp, num_blocks=3)
     with pytest.raises(ConfigError, match=r"Config\.save_ops names 'aten::no_such_op', which is no registered op"):
         hyperac.apply(model, layers="blocks", backend="cpu", mode="selective", save_ops=["aten::no_such_op"])
     with pytest.raises(ConfigError, match=r"force_recompute=\['mlp'\] matches no module inside the selective layers "
