@@ -371,6 +371,12 @@ class Config:
                 f"Config.{given[0]}= does not combine with mode='auto': the planner profiles hyperac's own selective "
                 "policy, so its costs would not be those of the policy applied. Apply a fixed mode (or plan=) with it."
             )
+        modes = {self.mode} | {rule.mode for rules in self.layer_spec.rules.values() for rule in rules}
+        if self.plan is None and not modes & set(SELECTIVE_MODES):
+            raise ConfigError(
+                f"Config.{given[0]}= tunes the selective modes, but the modes are {sorted(modes)}; use "
+                "mode='selective' (or name selective layers in Config.layers)."
+            )
         if self.compile and self.force_recompute:
             raise ConfigError(
                 f"Config.force_recompute={list(self.force_recompute)!r} does not combine with compile=True: the "

@@ -99,6 +99,9 @@ def test_errors_name_the_value_and_a_fix():
         hyperac.Config(mode="selective", force_recompute=[1])
     with pytest.raises(ConfigError, match=r"Config\.save_ops= does not combine with mode='auto'"):
         hyperac.Config(mode="auto", budget=0.5, sample={}, save_ops=[])
+    with pytest.raises(ConfigError, match=r"Config\.force_recompute= tunes the selective modes, but the modes are "
+                                          r"\['full', 'off'\]; use mode='selective'"):
+        hyperac.Config(layers={"0-1": "off"}, force_recompute=["up"])
     with pytest.raises(ConfigError, match=r"force_recompute=\['up'\] does not combine with compile=True"):
         hyperac.Config(mode="selective", compile=True, force_recompute=["up"])
     model = Stack(BiasedMlp, num_blocks=3)
