@@ -62,6 +62,7 @@ torch release is judged before it is added to the tested range.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -239,10 +240,15 @@ def _probe_hook_dicts() -> str | None:
     module = torch.nn.Linear(1, 1)
     pre = module.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
     post = module.register_forward_hook(lambda m, args, kwargs, out: None, with_kwargs=True, always_call=True)
-    tables = {"_forward_pre_hooks": pre.id, "_forward_pre_hooks_with_kwargs": pre.id, "_forward_hooks": post.id,
-              "_forward_hooks_with_kwargs": post.id, "_forward_hooks_always_called": post.id}
-    missing = [name for name, key in tables.items() if key not in getattr(module, name, {})]
-    return f"nn.Module keeps no hook entry in {', '.join(missing)}" if missing else None
+    missing = [name for name, key in (("_forward_pre_hooks", pre.id), ("_forward_hooks", post.id))
+               if key not in getattr(module, name, {})]
+    if missing:
+        return f"nn.Module keeps no hook entry in {', '.join(missing)}"
+    copy_, copied_pre, copied_post = copy.deepcopy((module, pre, post))
+    copied_pre.remove(), copied_post.remove()
+    if copy_._forward_pre_hooks or copy_._forward_hooks or pre.id not in module._forward_pre_hooks:
+        return "a deepcopy of a RemovableHandle does not point into the copied module's hook tables"
+    return None
 
 
 def _probe_buffers_dict() -> str | None:
@@ -286,8 +292,9 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
     "torch._disable_dynamo": ("recompute.py (eager regions under torch.compile)", _probe_disable_dynamo),
     "TorchDispatchMode._should_skip_dynamo, .ignore_compile_internals (overridden)": (
         "policy.py (dispatch modes and torch.compile)", _probe_dispatch_mode_overrides),
-    "nn.Module._forward_pre_hooks, _forward_hooks and their _with_kwargs/_always_called tables": (
-        "state.py, planner/verify.py (hooks removed by key on undo, also in copies)", _probe_hook_dicts),
+    "nn.Module._forward_pre_hooks, _forward_hooks (read); RemovableHandle copied with the module": (
+        "state.py, planner/verify.py (hooks found by scanning, removed by their handles, also in copies)",
+        _probe_hook_dicts),
     "nn.Module._buffers": ("buffers.py (buffer snapshots restored in place)", _probe_buffers_dict),
     "Tensor._base": ("swap.py (views of parameters stay on the device)", _probe_tensor_base),
     "aten::_local_scalar_dense on meta (answered by a dispatch mode)": (

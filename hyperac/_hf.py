@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .errors import warn_once
-from .state import AppliedState, Installed
+from .state import AppliedState, Installed, install_hook
 
 __all__ = [
     "CACHE_KWARGS",
@@ -147,4 +147,4 @@ def install_training_cache_defaults(modules: Modules, owner: AppliedState) -> No
         parameters = list(inspect.signature(type(module).forward).parameters)[1:]
         if "use_cache" in parameters or any(cache in parameters for cache in CACHE_KWARGS):
             outermost = not any(other != name and (not other or name.startswith(other + ".")) for other, _ in models)
-            module.register_forward_pre_hook(TrainingCacheDefault(owner, name, parameters, outermost), with_kwargs=True)
+            install_hook(module, TrainingCacheDefault(owner, name, parameters, outermost), pre=True, with_kwargs=True)

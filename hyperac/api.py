@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import warnings
 from collections.abc import Callable
@@ -31,8 +32,8 @@ from .planner.auto import TIMED_ROUNDS, _link_bandwidth
 from .planner.compiled import compiled_auto_modes
 from .planner.lengths import LengthCheck
 from .policy import OpSets, resolve_op_sets
-from .recompute import build_context_fn, install_exclusion, install_recompute, install_swap
-from .state import STATE_KEY, AppliedState, find_owned, undo
+from .recompute import build_context_fn, install_exclusion, install_forced_recompute, install_recompute, install_swap
+from .state import STATE_KEY, AppliedState, find_owned, install_hook, undo
 from .swap import LayerSwap, SwapManager, SwapStats, default_host_budget
 
 __all__ = ["applied_plan", "apply", "estimate", "remove", "swap_stats"]
@@ -209,6 +210,8 @@ def apply(
     seq_dim: int = _D["seq_dim"],
     plan: Any = _D["plan"],
     adapter: Any = _D["adapter"],
+    save_ops: Any = _D["save_ops"],
+    force_recompute: Any = _D["force_recompute"],
 ) -> Plan:
     """Make ``model`` keep fewer activations on the device, by recomputing them in backward or by
     holding them in host memory. Modifies ``model`` in place; gradients are unchanged.
@@ -233,7 +236,7 @@ def apply(
         dict(mode=mode, backend=backend, layers=layers, compile=compile, swap_inputs=swap_inputs,
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
              host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter,
-             max_seq_len=max_seq_len, seq_dim=seq_dim),
+             max_seq_len=max_seq_len, seq_dim=seq_dim, save_ops=save_ops, force_recompute=force_recompute),
     )
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
@@ -286,7 +289,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
         backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )
     _compat.require_for(modes, swaps, config)
-    ops = resolve_op_sets(chosen_backend) if set(modes) & set(SELECTIVE_MODES) else None
+    ops = resolve_op_sets(chosen_backend, config.save_ops) if set(modes) & set(SELECTIVE_MODES) else None
     eager_swap = any(swaps) and not config.compile
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if eager_swap else None
     state = AppliedState(result, type(model).__name__, manager)
@@ -303,7 +306,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
             # compiled: saved bytes, not eager ones; max_seq_len: shorter steps keep less
             install_first_step_check(model, result.predicted_bytes)
         if result.max_seq_len is not None:
-            model.register_forward_pre_hook(LengthCheck(state, result.max_seq_len, config.seq_dim), with_kwargs=True)
+            install_hook(model, LengthCheck(state, result.max_seq_len, config.seq_dim), pre=True, with_kwargs=True)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:
@@ -319,6 +322,7 @@ def _install(
     backend: Backend, ops: OpSets | None, config: Config, state: AppliedState, planned_swaps: list[bool] | None,
 ) -> None:
     installed: set[int] = set()
+    forced = _forced_modules(found, modes, regions, config.force_recompute)
 
     def claim(module: nn.Module) -> bool:
         if id(module) in installed:
@@ -346,6 +350,10 @@ def _install(
         for fqn, module in excluded:
             if claim(module):
                 install_exclusion(module, state, fqn)
+        if mode in SELECTIVE_MODES:
+            for fqn, module in forced.get(layer.fqn, ()):
+                if claim(module):
+                    install_forced_recompute(module, state, fqn)
         for fqn, module in roots:
             if claim(module):
                 install_recompute(module, state, fqn, context, layer_swap, index)
@@ -361,6 +369,40 @@ def _install_compiled(layer: Layer, mode: str, offloads: bool, regions: dict, ba
     for fqn, module in roots:
         if claim(module):
             install_recompute(module, state, fqn, context)
+
+
+def _forced_modules(found: list[Layer], modes: list[str], regions: dict,
+                    patterns: tuple[str, ...]) -> dict[str, list[tuple[str, nn.Module]]]:
+    """Per selective layer, the modules inside its regions that ``Config.force_recompute`` names
+    (relative to the layer); :class:`ConfigError` for a name that matches none."""
+    forced: dict[str, list[tuple[str, nn.Module]]] = {}
+    matched: set[str] = set()
+    for layer, mode in zip(found, modes):
+        if mode not in SELECTIVE_MODES or not patterns:
+            continue
+        for root_fqn, root in regions[layer.fqn][0]:
+            for name, module in root.named_modules(prefix=root_fqn):
+                relative = name[len(layer.fqn) + 1:]
+                hits = [p for p in patterns if name != root_fqn and fnmatch.fnmatchcase(relative, p)]
+                if hits:
+                    matched.update(hits)
+                    forced.setdefault(layer.fqn, []).append((name, module))
+    unmatched = [p for p in patterns if p not in matched]
+    if unmatched:
+        selective = [layer.fqn for layer, mode in zip(found, modes) if mode in SELECTIVE_MODES]
+        raise ConfigError(
+            f"Config.force_recompute={unmatched!r} matches no module inside the selective layers "
+            f"({selective[:3]}{'...' if len(selective) > 3 else ''}); name modules relative to a layer, "
+            f"as in {_example_names(found, modes)!r}."
+        )
+    return forced
+
+
+def _example_names(found: list[Layer], modes: list[str]) -> list[str]:
+    for layer, mode in zip(found, modes):
+        if mode in SELECTIVE_MODES:
+            return [name for name, _ in layer.module.named_modules() if name][:4]
+    return []
 
 
 def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:

@@ -29,7 +29,7 @@ import importlib
 import importlib.util
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .budget import parse_budget
@@ -47,8 +47,6 @@ def _load_config(args: argparse.Namespace) -> Any:
     from transformers import AutoConfig
 
     if args.preset is not None:
-        if args.preset not in PRESETS:
-            raise HyperACError(f"--preset: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}.")
         settings = dict(PRESETS[args.preset])
     else:
         settings = _read_config_file(args.config)
@@ -178,35 +176,55 @@ def _print_plan(estimate: Any, chosen: list[str], host_budget: int | None, why_n
           f"pinned host {estimate.host_bytes(chosen) / 2**30:.2f} GiB of a {host_budget / 2**30:.2f} GiB host budget")
 
 
-def _model_and_sample(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, str]:
-    """The model on ``meta``, the sample one step runs (token ids), and a line describing them."""
+def _model_and_samples(args: argparse.Namespace) -> tuple[torch.nn.Module, Callable[[int], Any], str]:
+    """The model on ``meta``, the sample one step runs (token ids) at a given sequence length, and a
+    line describing them."""
     import torch
 
     dtype = getattr(torch, args.dtype)
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     shape = f"batch {args.batch} x seq {args.seq}, {args.dtype}"
+
+    def ids(length: int) -> torch.Tensor:
+        return torch.zeros(args.batch, length, dtype=torch.long, device="meta")
+
     if args.model is not None:
         model = _model_from_entry_point(args.model, dtype)
-        return model, lambda model: _loss_of(model(ids)), f"{args.model}, {shape}"
+        return model, lambda length: lambda model: _loss_of(model(ids(length))), f"{args.model}, {shape}"
     config = _load_config(args)
     model = _build_on_meta(config, dtype, "--preset" if args.preset is not None else "--config")
-    layers = getattr(config, "num_hidden_layers", "?")
-    return model, {"input_ids": ids, "labels": ids}, f"{config.model_type}, {layers} layers, {shape}"
+    described = f"{config.model_type}, {getattr(config, 'num_hidden_layers', '?')} layers, {shape}"
+    return model, lambda length: {"input_ids": ids(length), "labels": ids(length)}, described
+
+
+def _estimate(args: argparse.Namespace, model: torch.nn.Module, sample_at: Callable[[int], Any]) -> Any:
+    """The estimate at ``--seq``; with ``--max-seq-len``, fitted from ``--seq`` and half of it to that
+    length, as ``apply(mode="auto", max_seq_len=)`` plans (:mod:`hyperac.planner.lengths`)."""
+    from . import api
+    from .planner.lengths import fitted_estimate
+
+    swap_options = {} if args.min_swap_bytes is None else {"min_swap_bytes": args.min_swap_bytes}
+
+    def estimate_at(length: int, timed: bool = True) -> Any:  # on meta nothing is timed
+        return api.estimate(model, sample_at(length), backend="cpu", device_profile=args.device, **swap_options)
+
+    if args.max_seq_len is None:
+        return estimate_at(args.seq)
+    return fitted_estimate(estimate_at, args.seq, args.max_seq_len)
 
 
 def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[str], budget_bytes: int,
-                device: str) -> None:
+                args: argparse.Namespace) -> None:
     """``--output``: the plan as :meth:`hyperac.Plan.to_dict` writes it, for ``apply(model, plan=...)``."""
     from .discovery import discover_layers
     from .plan import LayerPlan, Plan
     from .planner.auto import resolve_choice
 
-    modes, swaps, predictions = resolve_choice(estimate, chosen, budget_bytes)
+    modes, swaps, predictions = resolve_choice(estimate, chosen, budget_bytes, args.max_seq_len)
     layers = tuple(LayerPlan(layer.index, layer.fqn, mode, () if mode in ("off", "swap") else (layer.fqn,), (), swap,
                              layer.found_by)
                    for layer, mode, swap in zip(discover_layers(model), modes, swaps))
-    notes = (f"planned by hyperac plan for {device}", *predictions.pop("notes"))
-    plan_ = Plan(backend=device, adapter="none", layers=layers, notes=notes, **predictions)
+    notes = (f"planned by hyperac plan for {args.device}", *predictions.pop("notes"))
+    plan_ = Plan(backend=args.device, adapter="none", layers=layers, notes=notes, **predictions)
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(plan_.to_dict(), handle, indent=1)
@@ -216,23 +234,24 @@ def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[s
 
 def plan(args: argparse.Namespace) -> int:
     """Estimate a model on the meta device and print (and with ``--output`` write) the plan that fits the budget."""
-    from . import api
     from .planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
 
     host_budget = _host_budget_bytes(args)
-    model, sample, described = _model_and_sample(args)
+    model, sample_at, described = _model_and_samples(args)
     print(f"estimating {described}, on the meta device, costed on {args.device}...", file=sys.stderr, flush=True)
-    swap_options = {} if args.min_swap_bytes is None else {"min_swap_bytes": args.min_swap_bytes}
-    estimate = api.estimate(model, sample, backend="cpu", device_profile=args.device, **swap_options)
+    estimate = _estimate(args, model, sample_at)
     count = len(estimate.layers)
     off = estimate.peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)
     options = ESTIMATE_MODES if host_budget is None else ESTIMATE_MODES + SWAP_OPTIONS
     modes = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
     if args.output is not None:
-        _write_plan(args.output, model, estimate, modes, budget_bytes, args.device)
+        _write_plan(args.output, model, estimate, modes, budget_bytes, args)
     print(estimate)
-    print(f"\nplan for a budget of {budget_bytes / 2**30:.2f} GiB:")
+    length = "" if args.max_seq_len is None else (
+        f", for batches up to sequence length {args.max_seq_len} (costs fitted from lengths {max(args.seq // 2, 1)} "
+        f"and {args.seq})")
+    print(f"\nplan for a budget of {budget_bytes / 2**30:.2f} GiB{length}:")
     _print_plan(estimate, modes, host_budget, "--no-swap" if args.no_swap else "the cpu profile has no host link")
     print(f"predicted: peak {estimate.peak_bytes(modes) / 2**30:.2f} GiB (no recompute: {off / 2**30:.2f} GiB), "
           f"{estimate.total_bytes(modes) / 2**30:.2f} GiB kept for backward, step "
@@ -316,6 +335,13 @@ def _run_demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
+def _preset(text: str) -> str:
+    """``--preset``: a known name (checked at parse time, before torch and transformers are imported)."""
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {', '.join(sorted(PRESETS))}")
+    return text
+
+
 def _entry_point(text: str) -> str:
     """``--model``: ``module:factory`` (checked for its shape here, imported when the plan runs)."""
     module, colon, attribute = text.partition(":")
@@ -355,11 +381,15 @@ def _parser() -> argparse.ArgumentParser:
     source = plan_parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", metavar="CONFIG.json",
                         help="a local HF config.json (builds the architecture it names, else a causal LM)")
-    source.add_argument("--preset", help=f"one of: {', '.join(sorted(PRESETS))}")
+    source.add_argument("--preset", type=_preset, help=f"one of: {', '.join(sorted(PRESETS))}")
     source.add_argument("--model", metavar="MODULE:FACTORY", type=_entry_point,
                         help="a Python entry point: FACTORY() returns an nn.Module taking token ids (plain PyTorch, "
                              "torchtitan); it is called on the meta device")
     plan_parser.add_argument("--seq", type=_positive_int, default=4096, help="sequence length")
+    plan_parser.add_argument("--max-seq-len", type=_positive_int, metavar="L",
+                             help="plan for batches up to this sequence length, as max_seq_len= in the API: the step "
+                                  "is estimated at --seq and half of it and the costs fitted to L (the ids are "
+                                  "(batch, seq): the sequence dimension is 1)")
     plan_parser.add_argument("--batch", type=_positive_int, default=1, help="batch size")
     plan_parser.add_argument("--budget", required=True, type=_budget,
                              help="peak activation memory: bytes, a size like 24GiB, or a fraction like 0.5 of the "
@@ -382,8 +412,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-_VALUE_OPTIONS = ("--budget", "--host-budget", "--min-swap-bytes", "--seq", "--batch", "--rounds", "--layers",
-                  "--hidden")
+_VALUE_OPTIONS = ("--budget", "--host-budget", "--min-swap-bytes", "--seq", "--max-seq-len", "--batch", "--rounds",
+                  "--layers", "--hidden")
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
+
+import torch
 
 from .budget import parse_budget
 from .errors import ConfigError
@@ -35,6 +37,51 @@ class LayerSpec(NamedTuple):
 
     containers: tuple[str, ...] | None
     rules: Mapping[str, tuple[LayerRule, ...]]
+
+
+def _op_name(op: Any) -> str | None:
+    """``namespace::op[.overload]`` of an op object or name; ``None`` for anything else."""
+    if isinstance(op, str):
+        return op if "::" in op else None
+    if isinstance(op, torch._ops.OpOverload):
+        return op.name()
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    if isinstance(op, torch._ops.HigherOrderOperator):
+        return f"higher_order::{op.name()}"
+    return None
+
+
+def _parse_save_ops(value: Any) -> tuple[str, ...] | None:
+    """``Config.save_ops`` as sorted op names (names pickle; op objects do not)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(
+            f"Config.save_ops must be None or a collection of ops, got {value!r}; e.g. save_ops=['aten::mm', "
+            "'aten::_scaled_dot_product_flash_attention'] or {torch.ops.aten.mm.default}."
+        )
+    names = []
+    for op in value:
+        name = _op_name(op)
+        if name is None:
+            raise ConfigError(
+                f"Config.save_ops holds {op!r}, which is not an op: name it as 'namespace::op' or "
+                "'namespace::op.overload' (e.g. 'aten::mm'), or pass torch.ops.aten.mm.default."
+            )
+        names.append(name)
+    return tuple(sorted(set(names)))
+
+
+def _parse_names(field: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Iterable) or not all(isinstance(name, str) and name for name in value):
+        raise ConfigError(
+            f"Config.{field} must be a list of module names or fnmatch patterns, got {value!r}; "
+            "e.g. ['mlp.gate_proj', '*.router.*']."
+        )
+    return tuple(value)
 
 
 def _is_strict_bool(value: Any) -> bool:
@@ -229,6 +276,22 @@ class Config:
     registered for the model's ``model_type``, architecture or class, if any (the registry is
     consulted only when asked: NOTE [The registry is asked, never implied] in adapters.py)."""
 
+    save_ops: Any = None
+    """Selective modes: the ops whose outputs are kept, in place of hyperac's list (torchtitan's
+    ``SelectiveAC.get_save_ops`` override). ``None``: hyperac's. Otherwise a collection of ops:
+    names (``"aten::mm"``: every overload; ``"aten::mm.default"``: one) or op objects
+    (``torch.ops.aten.mm.default``, ``torch.ops.aten.mm``, a higher-order op like flex attention).
+    Listed matmuls alternate as usual (``pointwise``: all kept), unlisted ones are recomputed, as
+    is every other unlisted op; ``topk`` is recomputed even when listed (MoE routers write into its
+    outputs)."""
+
+    force_recompute: Any = ()
+    """Selective modes: modules inside each layer whose ops keep nothing, named relative to the
+    layer (``"mlp.gate_proj"``) or by an ``fnmatch`` pattern (``"*.router.*"``); their matmuls do
+    not count in the alternation (torchtitan's ``force_recompute_mm_shapes_by_fqns``, by module
+    rather than by weight shape, so a matmul of the same shape elsewhere is not affected). A name
+    that matches no module inside a selective layer is an error."""
+
     def __post_init__(self) -> None:
         if self.mode is False:  # YAML reads a bare `off` as False
             object.__setattr__(self, "mode", "off")
@@ -255,7 +318,10 @@ class Config:
                 f"got {self.adapter!r}."
             )
         object.__setattr__(self, "_layer_spec", parse_layers(self.layers))
+        object.__setattr__(self, "save_ops", _parse_save_ops(self.save_ops))
+        object.__setattr__(self, "force_recompute", _parse_names("force_recompute", self.force_recompute))
         self._check_auto()
+        self._check_policy_options()
         self._check_swap_needs()
 
     def _check_auto(self) -> None:
@@ -300,6 +366,29 @@ class Config:
                     f"Config.plan must be a hyperac.Plan or its to_dict(), got {type(self.plan).__name__}."
                 )
             object.__setattr__(self, "plan", Plan.from_dict(self.plan) if isinstance(self.plan, Mapping) else self.plan)
+
+    def _check_policy_options(self) -> None:
+        given = [field for field, value in (("save_ops", self.save_ops is not None),
+                                            ("force_recompute", bool(self.force_recompute))) if value]
+        if not given:
+            return
+        if self.mode == "auto":
+            raise ConfigError(
+                f"Config.{given[0]}= does not combine with mode='auto': the planner profiles hyperac's own selective "
+                "policy, so its costs would not be those of the policy applied. Apply a fixed mode (or plan=) with it."
+            )
+        modes = {self.mode} | {rule.mode for rules in self.layer_spec.rules.values() for rule in rules}
+        if self.plan is None and not modes & set(SELECTIVE_MODES):
+            raise ConfigError(
+                f"Config.{given[0]}= tunes the selective modes, but the modes are {sorted(modes)}; use "
+                "mode='selective' (or name selective layers in Config.layers)."
+            )
+        if self.compile and self.force_recompute:
+            raise ConfigError(
+                f"Config.force_recompute={list(self.force_recompute)!r} does not combine with compile=True: the "
+                "compiled policy sees ops, not the modules running them. Use compile=False, or save_ops= to recompute "
+                "by op."
+            )
 
     def _check_swap_needs(self) -> None:
         modes = {self.mode} | {rule.mode for rules in self.layer_spec.rules.values() for rule in rules}

@@ -34,6 +34,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
-from .errors import RecomputeMismatchError
+from .errors import ConfigError, RecomputeMismatchError
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets"]
 
@@ -103,7 +104,9 @@ _OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP = range(5)
 
 @dataclasses.dataclass(frozen=True)
 class OpSets:
-    """Dispatcher overloads, resolved once per :func:`hyperac.apply`."""
+    """Dispatcher overloads, resolved once per :func:`hyperac.apply`. Immutable: the sets are
+    frozensets, and :attr:`table` is a read-only view of a private cache of :meth:`classify`'s
+    answers (which the sets alone decide)."""
 
     matmul: frozenset
     keep: frozenset
@@ -112,19 +115,25 @@ class OpSets:
     communication: frozenset = frozenset()
     """The collectives among ``keep``: their outputs are kept in every recording mode and never
     replayed (a replayed collective would run again on one rank only)."""
-    table: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
-    """``id(op) -> (kind, written arguments, keyed, unannotated alias)``, filled as ops are first seen;
-    ids are stable because the table also holds the op (ops are never freed while it exists)."""
+    save_ops: tuple[str, ...] | None = None
+    """The ``Config.save_ops`` names the sets were resolved with (``None``: hyperac's own list)."""
+
+    def __post_init__(self) -> None:
+        # ``id(op) -> ((kind, written arguments, keyed, unannotated alias), op)``, filled as ops are
+        # first seen; ids are stable because the cache also holds the op (ops are never freed while
+        # it exists).
+        object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "table", types.MappingProxyType(self._cache))
 
     def __reduce__(self) -> tuple:
-        # The table is keyed by ids of this process: a copy or an unpickled OpSets starts empty.
-        return OpSets, (self.matmul, self.keep, self.recompute, self.ignored, self.communication)
+        # The cache is keyed by ids of this process: a copy or an unpickled OpSets starts empty.
+        return OpSets, (self.matmul, self.keep, self.recompute, self.ignored, self.communication, self.save_ops)
 
     def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool, bool]:
         """``(kind, written arguments, keyed, unannotated alias)`` of ``op``; cached. The last: its
         output may share an input's storage with a version counter of its own
         (NOTE [Aliases with their own version counter])."""
-        entry = self.table.get(id(op))
+        entry = self._cache.get(id(op))
         if entry is not None:
             return entry[0]
         if op in self.ignored or op in torch_recompute.SAC_IGNORED_OPS:
@@ -147,24 +156,48 @@ class OpSets:
         unannotated = (keyed or schema is None or schema.name in _UNANNOTATED_ALIAS_OPS
                        or not schema.name.startswith("aten::"))
         info = (kind, writes, keyed, unannotated)
-        self.table[id(op)] = (info, op)
+        self._cache[id(op)] = (info, op)
         return info
 
 
-def resolve_op_sets(backend: Backend) -> OpSets:
-    """Resolve every op set from the ops registered now and the backend's own kernels."""
+def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -> OpSets:
+    """Resolve every op set from the ops registered now and the backend's own kernels; with
+    ``save_ops`` (``Config.save_ops``), the kept ops and matmuls are those it names."""
     _import_fsdp_ops()
     matmul = _all_overloads(_MATMUL_OPS)
     recompute = _all_overloads(_ALWAYS_RECOMPUTE_OPS)
-    communication = backend.communication_ops() - matmul - recompute
-    keep = (
-        _all_overloads(_ALWAYS_KEEP_OPS)
-        | backend.attention_ops()
-        | communication
-        | resolve_ops(["higher_order::flex_attention"])
-    ) - matmul - recompute
+    if save_ops is None:
+        keep = (
+            _all_overloads(_ALWAYS_KEEP_OPS)
+            | backend.attention_ops()
+            | backend.communication_ops()
+            | resolve_ops(["higher_order::flex_attention"])
+        )
+    else:
+        keep = _named_ops(save_ops)
+        matmul = matmul & keep
     ignored = _all_overloads(_PROFILER_OPS + _FSDP_LIFECYCLE_OPS)
-    return OpSets(matmul=matmul, keep=keep, recompute=recompute, ignored=ignored, communication=communication)
+    keep = keep - matmul - recompute
+    return OpSets(matmul=matmul, keep=keep, recompute=recompute, ignored=ignored,
+                  communication=backend.communication_ops() & keep, save_ops=save_ops)
+
+
+def _named_ops(names: tuple[str, ...]) -> frozenset:
+    """The overloads ``Config.save_ops`` names; :class:`ConfigError` for a name no op answers to."""
+    found = set()
+    for name in names:
+        namespace, _, op_name = name.partition("::")
+        if namespace == "higher_order":  # higher-order ops have no overloads
+            ops = frozenset(op for op in [getattr(torch.ops.higher_order, op_name, None)] if op is not None)
+        else:
+            ops = _all_overloads((name,))
+        if not ops:
+            raise ConfigError(
+                f"Config.save_ops names {name!r}, which is no registered op (import the library that registers it "
+                "first); names read 'namespace::op' or 'namespace::op.overload', e.g. 'aten::mm'."
+            )
+        found |= ops
+    return frozenset(found)
 
 
 class SelectivePolicy:
@@ -200,6 +233,10 @@ class SelectivePolicy:
 # Set while a module that a recompute region excludes runs its forward: its ops are neither
 # recorded nor replayed (see recompute.py, NOTE [Excluded modules]).
 bypass_replay: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperac_bypass_replay", default=False)
+
+# Set while a module named in ``Config.force_recompute`` runs its forward: its ops keep nothing, and
+# its matmuls do not count in the alternation (see recompute.py, ForcedRecomputeForward).
+forced_recompute: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperac_forced_recompute", default=False)
 
 
 _storage_key = getattr(torch_recompute, "_sac_storage_key", lambda func, args: func)
@@ -397,7 +434,8 @@ class _RecordingMode(_EagerMode):
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
-        self.tape.entries.append(self._keep(func, out) if kind >= _MATMUL and self.policy.keeps(kind) else None)
+        keeps = kind >= _MATMUL and not forced_recompute.get() and self.policy.keeps(kind)
+        self.tape.entries.append(self._keep(func, out) if keeps else None)
         if func in self.policy.ops.communication:
             self.collectives.add(len(self.tape.entries) - 1)
         return out
@@ -623,7 +661,8 @@ def _offload_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPo
     return CheckpointPolicy.PREFER_CPU_OFFLOAD
 
 
-def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool) -> tuple[Any, Any]:
+def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool,
+                      save_ops: tuple[str, ...] | None = None) -> tuple[Any, Any]:
     """PyTorch's selective checkpoint contexts around a fresh :class:`SelectivePolicy` (``compile=True``);
     ``offload``: the layer swaps (NOTE [Swap under torch.compile] in compiled.py). Called while the
     region is traced, not per step: the op sets are resolved then.
@@ -638,13 +677,16 @@ def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool) -> 
     per region invocation), and the policy is called at trace time only: nothing of it runs per
     step.
     """
-    policy = _offload_saved if mode == "swap" else SelectivePolicy(resolve_op_sets(backend_type()), mode, offload)
+    policy = _offload_saved if mode == "swap" else SelectivePolicy(resolve_op_sets(backend_type(), save_ops), mode,
+                                                                       offload)
     return torch_recompute.create_selective_checkpoint_contexts(policy)
 
 
-def compile_context_fn(backend_type: type[Backend], mode: str, offload: bool = False) -> Callable[[], tuple[Any, Any]]:
+def compile_context_fn(backend_type: type[Backend], mode: str, offload: bool = False,
+                       save_ops: tuple[str, ...] | None = None) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` for layers that run under ``torch.compile``: a ``functools.partial``, the
-    form dynamo accepts, of constants only (a function, a class, a string, a bool), which dynamo's
+    form dynamo accepts, of constants only (a function, a class, a string, a bool, a tuple of op
+    names: ``Config.save_ops``), which dynamo's
     guards compare: every layer of one mode shares one graph, in this apply and the next (NOTE [One
     graph per layer plan] in recompute.py)."""
-    return functools.partial(compiled_contexts, backend_type, mode, offload)
+    return functools.partial(compiled_contexts, backend_type, mode, offload, save_ops)

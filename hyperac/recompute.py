@@ -50,6 +50,7 @@ from .policy import (
     OpSets,
     bypass_replay,
     compile_context_fn,
+    forced_recompute,
     resolve_op_sets,
     rng_states,
     selective_contexts,
@@ -58,7 +59,10 @@ from .policy import (
 from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 
-__all__ = ["RecomputeContext", "build_context_fn", "install_exclusion", "install_recompute", "install_swap"]
+__all__ = [
+    "RecomputeContext", "build_context_fn", "install_exclusion", "install_forced_recompute", "install_recompute",
+    "install_swap",
+]
 
 
 def _training(module: nn.Module) -> bool:
@@ -128,8 +132,9 @@ class RecomputeContext:
         self.swap_outputs = swap_outputs
         self.layer, self.index = layer, index
         self._ops = ops
+        self.save_ops = None if ops is None else ops.save_ops
         # Built here, not in the traced frame (NOTE [One graph per layer plan]).
-        self._compiled = compile_context_fn(self.backend_type, mode, swap_outputs) if compile else None
+        self._compiled = compile_context_fn(self.backend_type, mode, swap_outputs, self.save_ops) if compile else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_ops": None}
@@ -137,7 +142,7 @@ class RecomputeContext:
     @property
     def ops(self) -> OpSets:
         if self._ops is None:
-            self._ops = resolve_op_sets(self.backend_type())
+            self._ops = resolve_op_sets(self.backend_type(), self.save_ops)
         return self._ops
 
     def context_fn(self) -> Callable[[], tuple[Any, Any]]:
@@ -438,6 +443,18 @@ class ExcludedForward(Override):
         return output
 
 
+class ForcedRecomputeForward(Override):
+    """Keep nothing of the module's ops in the selective region around it (``Config.force_recompute``)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _, call = self.module_and_forward()
+        token = forced_recompute.set(True)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            forced_recompute.reset(token)
+
+
 def install_recompute(
     module: nn.Module, owner: AppliedState, fqn: str, context: RecomputeContext | None, swap: LayerSwap | None = None,
     index: int | None = None,
@@ -455,6 +472,11 @@ def install_swap(module: nn.Module, owner: AppliedState, fqn: str, swap: LayerSw
 def install_exclusion(module: nn.Module, owner: AppliedState, fqn: str) -> None:
     """Keep ``module`` out of the replay of the region around it (sets ``module.forward``)."""
     ExcludedForward(module, owner, fqn).install()
+
+
+def install_forced_recompute(module: nn.Module, owner: AppliedState, fqn: str) -> None:
+    """Make the selective region around ``module`` keep none of its ops (sets ``module.forward``)."""
+    ForcedRecomputeForward(module, owner, fqn).install()
 
 
 # NOTE [Eager regions under torch.compile]

@@ -23,12 +23,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .compiled import OffloadMarker, release_offloading
 from .plan import Plan
 from .swap import SwapManager
 
-__all__ = ["STATE_KEY", "AppliedState", "Installed", "Override", "find_owned", "undo"]
+__all__ = ["STATE_KEY", "AppliedState", "Installed", "Override", "find_owned", "install_hook", "undo"]
 
 STATE_KEY = "_hyperac_state"
 
@@ -65,11 +66,24 @@ class Installed:
     """Base of every object hyperac installs on a module: a forward override or a hook.
 
     ``owner`` is the :class:`AppliedState` of the apply that installed it; ``fqn`` the module's name
-    in the model that apply was called on.
+    in the model that apply was called on. A hook keeps the handle its registration returned
+    (:func:`install_hook`), which ``undo`` removes it by.
     """
 
     owner: AppliedState
     fqn: str
+    handle: RemovableHandle | None = None
+
+
+def install_hook(module: nn.Module, hook: Installed, *, pre: bool, **options: Any) -> None:
+    """Register ``hook`` as a forward (``pre``: pre-) hook of ``module``, keeping its handle on it.
+
+    NOTE [Hook handles in copies]: a ``RemovableHandle`` pickles the hook tables it points into, so
+    a deepcopy or pickle of the model, which copies the hook (and so its handle) with the module's
+    tables, gives a handle into the copy's tables: removing it there leaves the original alone.
+    """
+    register = module.register_forward_pre_hook if pre else module.register_forward_hook
+    hook.handle = register(hook, **options)
 
 
 class Override(Installed):
@@ -108,9 +122,8 @@ class Override(Installed):
         self._module = weakref.ref(state["_module"])
 
 
-# Forward pre-hook dicts hyperac registers in; a hook's id may also sit in the with-kwargs set.
+# The hook tables hyperac registers in (read to find its hooks; they are removed by their handles).
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
-_HOOK_EXTRAS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 def _installed(module: nn.Module) -> Iterator[Installed]:
@@ -142,12 +155,8 @@ def undo(model: nn.Module, state: AppliedState) -> None:
         forward = module.__dict__.get("forward")
         if isinstance(forward, Override) and forward.owner is state:
             forward.restore(module)
-        for name in _HOOK_DICTS:
-            hooks = module.__dict__.get(name, {})
-            for key in [key for key, hook in hooks.items() if isinstance(hook, Installed) and hook.owner is state]:
-                del hooks[key]
-                for extra in _HOOK_EXTRAS:
-                    module.__dict__.get(extra, {}).pop(key, None)
+        for hook in [hook for hook in _installed(module) if hook.handle is not None and hook.owner is state]:
+            hook.handle.remove()
     if model.__dict__.get(STATE_KEY) is state:
         del model.__dict__[STATE_KEY]
     if state.swap is not None:

@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import enum
 import os
 import sys
 import threading
@@ -360,6 +361,21 @@ class _Saved:
             )
 
 
+class GroupState(enum.Enum):
+    """Where a :class:`SwapGroup`'s tensors are: ``FORWARD`` (the layer runs; tensors are
+    registered) -> ``COPYING`` (device-to-host copies in flight) -> ``HOST`` (on the host, device
+    memory freed) -> ``LOADING`` (host-to-device copies in flight) -> ``LOADED``; or, when the
+    forward ends, ``KEPT``: everything stays on the device (the last swapping layer, whose backward
+    comes first, or a group with nothing to move)."""
+
+    FORWARD = enum.auto()
+    COPYING = enum.auto()
+    HOST = enum.auto()
+    LOADING = enum.auto()
+    LOADED = enum.auto()
+    KEPT = enum.auto()
+
+
 class SwapGroup:
     """The tensors one layer invocation keeps in host memory (NOTE [Swap stream ordering])."""
 
@@ -370,7 +386,7 @@ class SwapGroup:
         self.entries: dict[int, _Entry] = {}
         # Weak: each _Saved holds its group, and autograd holds the _Saved (no cycle to collect).
         self.saved: list[weakref.ref] = []
-        self.state = "forward"  # forward -> copying -> host -> loading -> loaded | kept
+        self.state = GroupState.FORWARD
         self.offload_event: Any = None
         self.load_event: Any = None
         self.device: torch.device | None = None
@@ -384,7 +400,7 @@ class SwapGroup:
         # the compute stream waits for them, so the allocator reuses this group's device memory
         # only after the copy stream is done with it.
         state = getattr(self, "state", None)
-        event = self.offload_event if state == "copying" else self.load_event if state == "loading" else None
+        event = {GroupState.COPYING: self.offload_event, GroupState.LOADING: self.load_event}.get(state)
         if event is not None and not sys.is_finalizing():
             with _quiet():
                 self.manager.wait(event, self.compute)
@@ -432,7 +448,7 @@ class SwapGroup:
         saved = self._live_saved()
         if not self.offload:
             stats.skipped["last_layer"] += len(saved) + sum(len(e.cached) for e in self.entries.values())
-            self.state = "kept"
+            self.state = GroupState.KEPT
             return
         modified = {id(s.entry) for s in saved if s.tensor._version != s.version}
         copying = []
@@ -458,12 +474,12 @@ class SwapGroup:
             stats.offloaded_bytes += entry.nbytes
         self.saved = [weakref.ref(s) for s in saved if s.entry.host is not None]
         if not copying:
-            self.state = "kept"
+            self.state = GroupState.KEPT
             return
         self.device = copying[0].device
         self.compute = backend.current_stream(self.device)
         self.offload_event = self._copy([(entry.host[: entry.nbytes], entry.device_bytes) for entry in copying])
-        self.state = "copying"
+        self.state = GroupState.COPYING
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """Issue ``(destination, source)`` copies on the copy stream, ordered after the work issued
@@ -481,7 +497,7 @@ class SwapGroup:
 
     def finish_offload(self) -> None:
         """Wait for the device -> host copies, then free the device memory this group holds."""
-        if self.state != "copying":
+        if self.state is not GroupState.COPYING:
             return
         self.manager.wait(self.offload_event, self.compute)
         for entry in self.entries.values():
@@ -492,13 +508,13 @@ class SwapGroup:
                 entry.device_bytes = None
         for saved in self._live_saved():
             saved.drop_alias()
-        self.state = "host"
+        self.state = GroupState.HOST
 
     def start_load(self) -> None:
         """Issue the host -> device copies (on the copy stream, after a compute-stream event)."""
-        if self.state == "copying":
+        if self.state is GroupState.COPYING:
             self.finish_offload()
-        if self.state != "host":
+        if self.state is not GroupState.HOST:
             return
         manager = self.manager
         saved = self._live_saved()
@@ -519,12 +535,12 @@ class SwapGroup:
                 continue
             entry.device_bytes = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
         if not self.entries:
-            self.state = "loaded"
+            self.state = GroupState.LOADED
             return
         entries = list(self.entries.values())
         self.load_event = self._copy([(entry.device_bytes, entry.host[: entry.nbytes]) for entry in entries])
         manager.stats.reloaded_bytes += sum(entry.nbytes for entry in entries)
-        self.state = "loading"
+        self.state = GroupState.LOADING
 
     def ensure_loaded(self) -> None:
         """Make every tensor of this group usable on the device; prefetch the previous group."""
@@ -533,7 +549,7 @@ class SwapGroup:
 
     def _ensure_loaded(self) -> None:
         self._start_backward()
-        if self.state not in ("host", "loading", "loaded"):
+        if self.state not in (GroupState.HOST, GroupState.LOADING, GroupState.LOADED):
             return  # still on the device
         self.start_load()
         if self.load_event is None:
@@ -542,8 +558,8 @@ class SwapGroup:
         if not any(stream == waiter for waiter in self.load_waiters):
             self.manager.wait(self.load_event, stream)
             self.load_waiters.append(stream)
-        if self.state == "loading":
-            self.state = "loaded"
+        if self.state is GroupState.LOADING:
+            self.state = GroupState.LOADED
             for entry in self.entries.values():
                 entry.release_host()
 
@@ -696,7 +712,7 @@ class SwapManager:
             pending = self._pending() if self._pending is not None else None
             if pending is not None:
                 pending.finish_offload()
-        self._pending = weakref.ref(group) if group.state == "copying" else None
+        self._pending = weakref.ref(group) if group.state is GroupState.COPYING else None
         self._last = weakref.ref(group)
         return output
 

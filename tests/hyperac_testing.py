@@ -75,6 +75,36 @@ def measure(model: nn.Module, loss_fn: LossFn, seed: int = 1) -> tuple[int, int]
     return measure_step(model, loss_fn)
 
 
+# --- Small stacks of blocks, for counting what a policy keeps and replays. ---
+
+
+class Stack(nn.Module):
+    """``num_blocks`` seeded instances of ``block``, run in order."""
+
+    def __init__(self, block: type[nn.Module], num_blocks: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(block() for _ in range(num_blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class BiasedMlp(nn.Module):
+    """Three matmuls a layer: two `addmm` (biased) and one `mm` (bias-free)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.gate = nn.Linear(width, width)
+        self.down = nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        return x + self.down(self.up(x).relu() * self.gate(x).sigmoid())
+
+
 # --- Model families for tests/test_models.py: tiny, built from configs (nothing downloaded), seeded. ---
 
 _F = torch.nn.functional

@@ -1,8 +1,8 @@
 """The ``hyperac`` command line: ``demo`` and ``plan``, and its error paths.
 
-The slow commands run once each, as real processes started together (module fixture ``runs``);
-the error paths run through :func:`hyperac.cli.main` in this process (transformers is imported
-once), and a few of them also as processes, for the exit status and stderr of the real entry points.
+The slow commands run once each (module fixture ``runs``) and the error paths, through
+:func:`hyperac.cli.main` in this process (transformers is imported once); a few error paths also
+run as processes, for the exit status and stderr of the real entry points.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import contextlib
 import importlib.util
 import io
 import json
-import os
 import pathlib
 import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -54,28 +54,34 @@ def files(tmp_path_factory):
     return folder
 
 
+def main_captured(argv):
+    """``hyperac ARGV`` in this process: ``(exit code, stdout, stderr)``, warnings printed to stderr as a
+    process would print them (every one, not once per place)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code = cli.main(argv)
+    printed = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in seen)
+    return code, out.getvalue(), err.getvalue() + printed
+
+
 @pytest.fixture(scope="module")
 def runs(files):
-    """Every command below, started at once (two cores), as ``{name: (exit code, stdout, stderr)}``."""
-    commands = {
-        "demo": [*MODULE, "demo", *TINY_DEMO],
-        "preset": [*MODULE, "plan", "--preset", "llama-3-8b", "--seq", "512", "--budget", "0.5"],
-        "config": [*installed_script(), "plan", "--config", str(files / "config.json"), "--seq", "64",
-                   "--budget", "0.7"],
+    """Every command below once, as ``{name: (exit code, stdout, stderr)}``: the slow ones in this process
+    (transformers is imported once; a process would import it again, 3.5 s of CPU each), the error
+    paths also as real processes, for the exit status and stderr of the entry points."""
+    results = {
+        "demo": main_captured(["demo", *TINY_DEMO]),
+        "preset": main_captured(["plan", "--preset", "llama-3-8b", "--seq", "512", "--budget", "0.5"]),
+        "config": main_captured(["plan", "--config", str(files / "config.json"), "--seq", "64", "--budget", "0.7"]),
+    }
+    processes = {
         "unknown_preset": [*installed_script(), "plan", "--preset", "llama-9", "--budget", "0.5"],
         "no_budget": [*MODULE, "plan", "--preset", "llama-3-8b"],
     }
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started = {}
-    for name, command in commands.items():
-        out, err = open(files / f"{name}.out", "w+"), open(files / f"{name}.err", "w+")
-        started[name] = (subprocess.Popen(command, stdout=out, stderr=err, cwd=files, env=env, text=True), out, err)
-    results = {}
-    for name, (process, out, err) in started.items():
-        code = process.wait()  # no wall-clock limit: a loaded machine may take minutes (pytest's own timeout applies)
-        out.seek(0), err.seek(0)
-        results[name] = (code, out.read(), err.read())
-        out.close(), err.close()
+    for name, command in processes.items():
+        process = subprocess.run(command, capture_output=True, cwd=files, text=True, check=False)
+        results[name] = (process.returncode, process.stdout, process.stderr)
     return results
 
 
@@ -245,13 +251,7 @@ def wide_plans(files):
     base = ["plan", "--config", str(files / "wide.json"), "--seq", "2048", "--budget", "0.7"]
     variants = {"h100": [], "no_swap": ["--no-swap"], "cpu": ["--device", "cpu"], "host": ["--host-budget", "8MiB"],
                 "small_min": ["--min-swap-bytes", "0"], "big_min": ["--min-swap-bytes", "1GiB"]}
-    results = {}
-    for name, extra in variants.items():
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main([*base, *extra])
-        results[name] = (code, out.getvalue(), err.getvalue())
-    return results
+    return {name: main_captured([*base, *extra]) for name, extra in variants.items()}
 
 
 def test_plan_swap_is_offered_on_accelerators_only(wide_plans):
@@ -316,7 +316,7 @@ def test_plan_local_config(runs):
 def test_error_paths_as_processes(runs):
     code, _, stderr = runs["unknown_preset"]  # through the installed `hyperac` script
     assert_one_error_line(code, stderr,
-                          r"^hyperac: error: --preset: unknown preset 'llama-9'; choose one of .*llama-3-8b")
+                          r"^hyperac: error: argument --preset: unknown preset 'llama-9'; choose one of .*llama-3-8b")
     code, stdout, stderr = runs["no_budget"]
     assert stdout == ""
     assert_one_error_line(code, stderr, "^hyperac: error: the following arguments are required: --budget")
@@ -431,7 +431,7 @@ def test_demo_plot_without_matplotlib_fails_before_the_demo(monkeypatch, capsys)
 # answering at once: --help and bad arguments import neither torch nor transformers
 
 QUICK = [["--help"], ["plan", "--help"], ["demo", "--help"], ["plan", "--preset", "llama-3-8b", "--budget", "lots"],
-         ["plan", "--budget", "0.5"], ["frobnicate"]]
+         ["plan", "--preset", "llama-9", "--budget", "0.5"], ["plan", "--budget", "0.5"], ["frobnicate"]]
 
 
 def test_help_and_bad_arguments_answer_at_once():
@@ -510,6 +510,28 @@ def test_plan_output_is_what_apply_reads(files, capsys, tmp_path):
         assert [layer.fqn for layer in applied.layers] == ["model.layers.0", "model.layers.1"]
     finally:
         hyperac.remove(model)
+
+
+def estimate_rows(stdout, layers):
+    """Per layer, the estimate table's row of MiB kept per mode (the ms are left out)."""
+    return [re.findall(r"([\d.]+)/[\d.]+", re.search(rf"^\s*{i}\s+model\.layers\.{i}\s+(.*)$", stdout, re.M).group(1))
+            for i in range(layers)]
+
+
+def test_plan_max_seq_len_plans_for_that_length(files, capsys, tmp_path):
+    """``--max-seq-len 128`` at ``--seq 32``: the costs fitted from lengths 16 and 32 to 128, as
+    apply(mode="auto", max_seq_len=) plans; on Llama they are the bytes estimated at 128 directly,
+    the plan says the length it is for, and so does the plan file."""
+    path = tmp_path / "plan.json"
+    common = ["--config", str(files / "config.json"), "--budget", "0.6", "--device", "cpu"]
+    fitted = run_plan([*common, "--seq", "32", "--max-seq-len", "128", "--output", str(path)], capsys)
+    direct = run_plan([*common, "--seq", "128"], capsys)
+    short = run_plan([*common, "--seq", "32"], capsys)
+    assert estimate_rows(fitted, 2) == estimate_rows(direct, 2) != estimate_rows(short, 2)
+    assert re.search(r"^plan for a budget of [\d.]+ GiB, for batches up to sequence length 128 \(costs fitted from "
+                     r"lengths 16 and 32\):$", fitted, re.M), fitted
+    assert "bytes fitted from lengths 16 and 32 to 128" in fitted
+    assert json.loads(path.read_text())["max_seq_len"] == 128
 
 
 def test_plan_builds_the_architecture_a_config_names(files, capsys):

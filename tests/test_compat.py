@@ -152,6 +152,9 @@ def test_every_private_torch_piece_is_probed_and_present():
     ("nn.Module._buffers", lambda monkeypatch: monkeypatch.setattr(
         torch.nn.Module, "__getattr__", lambda self, name: torch.zeros(2))),
     ("Tensor._base", lambda monkeypatch: monkeypatch.setattr(torch.Tensor, "_base", None)),
+    ("nn.Module._forward_pre_hooks, _forward_hooks (read); RemovableHandle copied with the module",
+     lambda monkeypatch: monkeypatch.setattr(  # a copied handle points nowhere
+        torch.utils.hooks.RemovableHandle, "__getstate__", lambda self: (None, self.id))),
 ])
 def test_a_changed_private_piece_is_reported(monkeypatch, name, breaks):
     breaks(monkeypatch)

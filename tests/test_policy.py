@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from hyperac_testing import assert_parity, lm_loss, tiny_llama, train_step
+from hyperac_testing import BiasedMlp, Stack, assert_parity, lm_loss, tiny_llama, train_step
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -26,18 +26,6 @@ class WriteThroughView(nn.Module):
         return y.tanh()
 
 
-class Stack(nn.Module):
-    def __init__(self, block: type[nn.Module], num_blocks: int = 2) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(block() for _ in range(num_blocks))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _loss_fn():
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
     return lambda model: model(x).pow(2).sum()
@@ -49,19 +37,6 @@ def test_write_into_kept_output_through_unsafe_view_keeps_gradients_exact(mode):
     reference = train_step(model, loss_fn)
     hyperac.apply(model, mode=mode, layers="blocks", backend="cpu")
     assert_parity(reference, train_step(model, loss_fn))
-
-
-class BiasedMlp(nn.Module):
-    """Three matmuls a layer: two `addmm` (biased) and one `mm` (bias-free)."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, width)
-        self.gate = nn.Linear(width, width)
-        self.down = nn.Linear(width, width, bias=False)
-
-    def forward(self, x):
-        return x + self.down(self.up(x).relu() * self.gate(x).sigmoid())
 
 
 def _flops(model, loss_fn) -> int:

@@ -38,6 +38,7 @@ import hyperac
 from hyperac import ConfigError, HyperACWarning
 from hyperac.backends.sim import SimBackend, SimRaceError
 from hyperac.swap import (
+    GroupState,
     HostPool,
     SwapGroup,
     SwapManager,
@@ -890,7 +891,7 @@ def test_a_missing_wait_is_caught(net, plan, monkeypatch):
                 entry.host.fill_(255)
 
     def start_load(group):
-        loading = group.state in ("copying", "host")
+        loading = group.state in (GroupState.COPYING, GroupState.HOST)
         real_load(group)
         if loading:
             for entry in group.entries.values():
@@ -1287,3 +1288,25 @@ def test_bad_swap_options_raise_config_error(net, options, match):
     with pytest.raises(ConfigError, match=match):
         hyperac.apply(model, backend="sim", **{"layers": "blocks", **options})
     assert hyperac.applied_plan(model) is None and hook_count(model) == 0
+
+
+def test_group_states_through_one_step(net, monkeypatch):
+    """Each layer invocation's group: copied out after its forward (the last one, whose backward comes
+    first, keeps its tensors), loaded back in backward."""
+    groups = []
+    real_close = SwapGroup.close
+
+    def close(group, protected):
+        real_close(group, protected)
+        groups.append(group)
+
+    monkeypatch.setattr(SwapGroup, "close", close)
+    model = swapped(net, mode="swap")
+    loss = net_loss()(model)
+    after_forward = [group.state for group in groups]
+    loss.backward()
+    assert len(groups) == len(net.blocks)
+    assert after_forward[-1] is GroupState.KEPT
+    assert set(after_forward[:-1]) <= {GroupState.COPYING, GroupState.HOST}
+    assert [group.state for group in groups] == [GroupState.LOADED] * (len(groups) - 1) + [GroupState.KEPT]
+    assert_round_trip(model)

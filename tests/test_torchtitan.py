@@ -1,17 +1,24 @@
-"""hyperac.integrations.torchtitan: the torch it refuses, and the inherited torchtitan AC fields it
-refuses rather than ignores. (Training through torchtitan's parallelize_llama is
+"""hyperac.integrations.torchtitan: the torch it refuses, the inherited torchtitan AC fields it
+refuses rather than ignores, torchtitan's save-list override and per-module force-recompute.
+(Training through torchtitan's parallelize_llama is
 tests/test_parallel.py::test_torchtitan_llama3_debug_model, in ``tox -e torchtitan``.)"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import hyperac
 from hyperac import ConfigError, TorchVersionError
+from hyperac.measure import flop_counter
 
 OLD_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14)
 
@@ -51,3 +58,90 @@ def test_inherited_fields_other_than_their_default_are_refused(integration, fiel
                                           rf"leave it at its default, {default}"):
         recompute.apply(model)
     assert "forward" not in model.layers["0"].__dict__  # nothing applied
+
+
+@pytest.fixture(scope="module")
+def debug_model():
+    """torchtitan's llama3 debug model (causal SDPA: FlexAttention has no CPU backward), built on
+    the CPU, and one step's loss function."""
+    if OLD_TORCH:
+        pytest.skip("torchtitan 0.3 needs torch 2.14 (tox -e torchtitan)")
+    pytest.importorskip("torchtitan")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from torchtitan_llama3 import BATCH, SEQ, cpu_debug_model
+
+    spec = cpu_debug_model()
+    torch.manual_seed(0)
+    model = spec.model.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    tokens = torch.randint(0, spec.model.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    return model.train(), lambda model: model(tokens, positions=positions).float().pow(2).mean(), tokens.numel()
+
+
+def _step(model, loss_fn):
+    """(FLOPs of one forward and backward, gradients by parameter name)."""
+    model.zero_grad(set_to_none=True)
+    with flop_counter() as counter:
+        loss_fn(model).backward()
+    return counter.get_total_flops(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _applied(recompute, model):
+    clone = copy.deepcopy(model)
+    recompute.apply(clone)
+    return clone
+
+
+def test_get_save_ops_override_replays_what_torchtitans_selective_ac_replays(integration, debug_model):
+    """A subclass returning torchtitan's own save list (as one would subclass SelectiveAC) replays
+    exactly the FLOPs of torchtitan's SelectiveAC on the debug model (which also saves every other
+    matmul); gradients stay bitwise those of the model without recompute."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC, _get_default_save_ops
+
+    class TorchtitanSaveList(integration.HyperACRecompute):
+        def get_save_ops(self):
+            return _get_default_save_ops()
+
+    model, loss_fn, _ = debug_model
+    flops, grads = _step(model, loss_fn)
+    torchtitan_flops, _ = _step(_applied(SelectiveAC(SelectiveAC.Config(force_recompute_mm_shapes_by_fqns=[])), model),
+                                loss_fn)
+    config = integration.HyperACRecompute.Config(backend="cpu")
+    ours_flops, ours_grads = _step(_applied(TorchtitanSaveList(config), model), loss_fn)
+    hyperacs_flops, _ = _step(_applied(integration.HyperACRecompute(config), model), loss_fn)
+    assert ours_flops == torchtitan_flops > hyperacs_flops > flops  # hyperac's list keeps CPU attention too
+    for name, grad in grads.items():
+        torch.testing.assert_close(ours_grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_force_recompute_replays_the_named_modules_only(integration, debug_model):
+    """``force_recompute=["feed_forward.w[13]"]``: w1 and w3 keep nothing and leave the matmul count,
+    so the block replays wo (the 2nd of wqkv, wo, w2) and both: one 256x768 matmul per block more
+    than replaying wo and w3. By module, not by shape: wqkv, also 256x768, is still kept (torchtitan's
+    force_recompute_mm_shapes_by_fqns would force it too)."""
+    model, loss_fn, tokens = debug_model
+    base = integration.HyperACRecompute.Config(backend="cpu", save_ops=["aten::mm"])
+    plain, _ = _step(_applied(integration.HyperACRecompute(base), model), loss_fn)
+    forced_config = dataclasses.replace(base, force_recompute=["feed_forward.w[13]"])
+    forced_model = _applied(integration.HyperACRecompute(forced_config), model)
+    forced, grads = _step(forced_model, loss_fn)
+    block = model.layers["0"]
+    one_matmul = 2 * tokens * block.feed_forward.w1.in_features * block.feed_forward.w1.out_features
+    assert block.attention.qkv_linear.wqkv.weight.shape == block.feed_forward.w1.weight.shape
+    assert forced - plain == one_matmul * len(model.layers)
+    assert hyperac.applied_plan(forced_model).layers[0].mode == "selective"
+    _, reference = _step(model, loss_fn)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_torchtitans_default_force_list_on_a_dense_model_is_an_error(integration, debug_model):
+    model, _, _ = debug_model
+    config = integration.HyperACRecompute.Config(backend="cpu", force_recompute=["moe.router.gate"])
+    clone = copy.deepcopy(model)
+    with pytest.raises(ConfigError, match=r"force_recompute=\['moe\.router\.gate'\] matches no module inside the "
+                                          r"selective layers.*'attention', 'attention\.rope'"):
+        integration.HyperACRecompute(config).apply(clone)
+    assert hyperac.applied_plan(clone) is None

@@ -28,6 +28,7 @@ worse, half work). Install the pair in a venv of its own (``tox -e torchtitan`` 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -74,11 +75,30 @@ class HyperACRecompute(ActivationCheckpointing):
         swap_inputs: bool = False
         """Keep the inputs of recomputed blocks in host memory between forward and backward."""
 
+        save_ops: list[str] | None = None
+        """Selective modes: the ops whose outputs are kept, by name (``"aten::mm"``), in place of
+        hyperac's list (:attr:`hyperac.Config.save_ops`); ``None``: hyperac's. Or override
+        :meth:`HyperACRecompute.get_save_ops`, as with torchtitan's ``SelectiveAC``."""
+
+        force_recompute: list[str] = dataclasses.field(default_factory=list)
+        """Selective modes: modules inside each block whose ops keep nothing, named relative to the
+        block (``"moe.router.gate"``) or by an fnmatch pattern (:attr:`hyperac.Config.force_recompute`).
+        torchtitan's ``force_recompute_mm_shapes_by_fqns`` by module: a matmul of the same shape
+        elsewhere is still kept. A name that matches no module is an error (torchtitan's default,
+        ``["moe.router.gate"]``, would be one on a dense model, so the default here is empty)."""
+
+    def get_save_ops(self) -> Collection[Any] | None:
+        """The ops whose outputs selective blocks keep (``None``: hyperac's list). Override it to
+        return op objects (``torch.ops.aten.mm.default``) as torchtitan's ``SelectiveAC.get_save_ops``;
+        by default, ``Config.save_ops``."""
+        return self.config.save_ops
+
     def apply(self, model: nn.Module) -> None:
         """Apply hyperac to every block of ``model.layers`` (a ``ModuleDict`` in torchtitan's models)."""
         config = self.config
         _refuse_inherited_settings(config)
-        apply(model, layers="layers", mode=config.mode, backend=config.backend, swap_inputs=config.swap_inputs)
+        apply(model, layers="layers", mode=config.mode, backend=config.backend, swap_inputs=config.swap_inputs,
+              save_ops=self.get_save_ops(), force_recompute=config.force_recompute)
 
 
 def _default(field: dataclasses.Field) -> Any:

@@ -22,7 +22,7 @@ from .attention import fused_attention_on_meta
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, build_estimate, split_option
 from .devices import DEVICES, device_profile
 from .dispatch import describe, host_costs
-from .lengths import at_length, sequence_length, truncated
+from .lengths import fitted_estimate, sequence_length, truncated
 from .profile import profile_modes
 from .restore import side_effects_undone
 from .solver import choose_modes
@@ -114,12 +114,12 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
     moving the storages of at least ``min_swap_bytes`` (NOTE [Swap in the plan]). With
     ``max_seq_len``, the plan is made for that sequence length (dimension ``seq_dim`` of the
     sample's tensors), so that every batch up to it fits (:mod:`.lengths`)."""
-    length = None if max_seq_len is None else sequence_length(sample, seq_dim)
-    estimate = estimate_layers(model, sample, layers, runner, backend)
-    if length is not None:
-        half = truncated(sample, seq_dim, max(length // 2, 1))
-        estimate = at_length(estimate_layers(model, half, layers, runner, backend, timed=False), estimate,
-                             max(length // 2, 1), length, max_seq_len)
+    if max_seq_len is None:
+        estimate = estimate_layers(model, sample, layers, runner, backend)
+    else:
+        estimate = fitted_estimate(lambda length, timed: estimate_layers(
+            model, truncated(sample, seq_dim, length), layers, runner, backend, timed=timed),
+            sequence_length(sample, seq_dim), max_seq_len)
     estimate = dataclasses.replace(estimate, min_swap_bytes=min_swap_bytes)
     off = ["off"] * len(layers)
     budget_bytes = parse_budget(budget, estimate.peak_bytes(off))

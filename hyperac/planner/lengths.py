@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from ..errors import ConfigError, warn_once
 from ..state import AppliedState, Installed
 from .cost import Estimate
 
-__all__ = ["LengthCheck", "at_length", "sequence_length", "truncated"]
+__all__ = ["LengthCheck", "at_length", "fitted_estimate", "sequence_length", "truncated"]
 
 
 def sequence_length(sample: Any, dim: int) -> int:
@@ -76,6 +76,14 @@ def _fit(short: int, long: int, short_length: int, long_length: int, target: int
 
 def _fit_dict(short: Mapping[str, int], long: Mapping[str, int], *lengths: int) -> dict[str, int]:
     return {key: _fit(short.get(key, 0), value, *lengths) for key, value in long.items()}
+
+
+def fitted_estimate(estimate_at: Callable[[int, bool], Estimate], length: int, max_seq_len: int) -> Estimate:
+    """The estimate at ``max_seq_len`` from ``estimate_at(n, timed)`` at the sample's ``length``
+    (timed) and at half of it (not timed; NOTE [Costs as functions of the length])."""
+    half = max(length // 2, 1)
+    long = estimate_at(length, True)
+    return at_length(estimate_at(half, False), long, half, length, max_seq_len)
 
 
 def at_length(short: Estimate, long: Estimate, short_length: int, long_length: int, target: int) -> Estimate:

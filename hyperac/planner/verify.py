@@ -9,7 +9,8 @@ logits included, alive across ``out.loss.backward()``, and the profile does not 
 either), and when backward starts the live bytes are compared with the prediction: a miss of more
 than 10% warns once. Then the hooks remove themselves. They are instances of module-level classes
 (:class:`CheckStart`, :class:`CheckEnd`), so a copied or pickled model carries its own pending
-check, and :func:`remove_first_step_check` finds them by scanning the model's hook tables.
+check, and :func:`remove_first_step_check` finds them by scanning the model's hook tables and
+removes them by the handles their registration returned (NOTE [Hook handles in copies] in state.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import HyperACWarning
 from ..measure import ActivationMeter
@@ -33,6 +35,8 @@ class CheckStart:
     def __init__(self, predicted: int) -> None:
         self.predicted = predicted
         self.meter: ActivationMeter | None = None
+        self.handles: tuple[RemovableHandle, ...] = ()
+        """Of this hook and its :class:`CheckEnd`."""
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled() and self.meter is None:
@@ -40,7 +44,7 @@ class CheckStart:
             self.meter.__enter__()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"predicted": self.predicted, "meter": None}
+        return {**self.__dict__, "meter": None}
 
 
 class CheckEnd:
@@ -92,13 +96,12 @@ def _first_grad_fn(output: Any) -> Any:
 def install_first_step_check(model: nn.Module, predicted: int) -> None:
     """Check the first training step of ``model`` against ``predicted`` kept bytes (NOTE [First-step check])."""
     start = CheckStart(predicted)
-    model.register_forward_pre_hook(start)
-    model.register_forward_hook(CheckEnd(start), always_call=True)
+    start.handles = (model.register_forward_pre_hook(start),
+                     model.register_forward_hook(CheckEnd(start), always_call=True))
 
 
 def remove_first_step_check(model: nn.Module) -> None:
     """Remove a pending first-step check from ``model`` (nothing if there is none)."""
-    for table in (model._forward_pre_hooks, model._forward_hooks):
-        for key in [k for k, hook in table.items() if isinstance(hook, (CheckStart, CheckEnd))]:
-            del table[key]
-            model._forward_hooks_always_called.pop(key, None)
+    for start in [hook for hook in model._forward_pre_hooks.values() if isinstance(hook, CheckStart)]:
+        for handle in start.handles:
+            handle.remove()
