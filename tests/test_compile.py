@@ -349,3 +349,21 @@ def test_auto_plans_for_compiled_layers(loss_fn):
     measured = compiled_saved_bytes(model, loss_fn)
     assert measured <= plan.budget_bytes * 1.05
     assert abs(measured - plan.predicted_bytes) <= 0.05 * measured, (measured, plan.predicted_bytes)
+
+
+def test_save_ops_reach_the_compiled_policy(base_model, loss_fn):
+    """``save_ops=`` (torchtitan's save-list override) under ``compile=True``: the compiled layers
+    replay what eager layers with the same list replay, which is not what the default list replays."""
+    flops = {}
+    for name, options in (("default", {}), ("mm only", dict(save_ops=["aten::mm"]))):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base_model)
+        hyperac.apply(model, mode="selective", compile=True, **options)
+        for layer in model.model.layers:
+            layer.compile(backend="aot_eager")
+        compiled_saved_bytes(model, loss_fn)  # compiles outside the FLOP counter
+        with flop_counter() as counter:
+            train_step(model, loss_fn)
+        flops[name] = counter.get_total_flops()
+        assert flops[name] == eager_flops(copy.deepcopy(base_model), loss_fn, dict(mode="selective", **options)), name
+    assert flops["mm only"] > flops["default"], flops
