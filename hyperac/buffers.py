@@ -22,10 +22,19 @@ happened to the real buffers since (an update by a later layer, the next step's 
 writes or rebinds (``self.count = self.count + 1``) throwaways. When the replay ends, each slot
 points at the tensor it held before the replay, which the forward updated exactly once. A second
 replay (``retain_graph``, ``create_graph``) gets fresh copies again. The cost is one copy of the
-region's buffers per invocation, held until its backward: a few kilobytes for normalization
-statistics and rotary tables. Buffers reached other than through a module's ``_buffers`` (a
-tensor kept as a plain attribute) are not covered. Regions whose modules hold no buffers are left
-alone.
+region's persistent buffers per invocation, held until its backward: a few kilobytes for
+normalization statistics. Buffers reached other than through a module's ``_buffers`` (a tensor
+kept as a plain attribute) are not covered. Regions whose modules hold no buffers are left alone.
+
+NOTE [Non-persistent buffers are held, not copied]
+Non-persistent buffers (``register_buffer(..., persistent=False)``) are derived tables: rotary
+frequencies, causal masks, position ids. They can be large (torchtitan's llama3 keeps its rotary
+table in every layer: copying it per invocation kept 4x the activation bytes of the un-applied
+model), and a training forward reads them without writing. So the snapshot holds such a buffer
+itself, with its version, and the replay reads that same tensor: a rebinding since (HF's dynamic
+rotary embeddings) leaves it as the forward read it. A write into it in place since the forward
+read it (its version moved) cannot be undone without a copy: the replay raises
+:class:`~hyperac.InputWrittenError` naming the layer and the fix instead of reading the new values.
 """
 
 from __future__ import annotations
@@ -37,15 +46,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import InputWrittenError
+
 __all__ = ["BufferSnapshots"]
 
 _Slot = tuple[nn.Module, str]
 """A buffer slot: the module that owns it and the buffer's name."""
 
 
-def _snapshot(region: nn.Module) -> dict[_Slot, torch.Tensor | None]:
+class _Held:
+    """A non-persistent buffer as the forward read it: the tensor itself and its version (NOTE
+    [Non-persistent buffers are held, not copied])."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+
+def _snapshot(region: nn.Module) -> dict[_Slot, torch.Tensor | _Held | None]:
     return {
-        (owner, name): None if buffer is None else buffer.detach().clone()
+        (owner, name): None if buffer is None else _Held(buffer) if name in owner._non_persistent_buffers_set
+        else buffer.detach().clone()
         for owner in region.modules()
         for name, buffer in owner._buffers.items()
     }
@@ -56,15 +78,28 @@ class _BuffersAsBefore:
     snapshot while the wrapped replay context runs (NOTE [Buffers in the replay]). Entered once per
     replay."""
 
-    def __init__(self, snapshot: dict[_Slot, torch.Tensor | None], inner: Any) -> None:
+    def __init__(self, snapshot: dict[_Slot, torch.Tensor | _Held | None], inner: Any, layer: str,
+                 index: int | None) -> None:
         self.snapshot = snapshot
         self.inner = inner
+        self.layer, self.index = layer, index
         self.real: list[tuple[_Slot, torch.Tensor | None]] = []
 
     def __enter__(self) -> None:
+        for (owner, name), value in self.snapshot.items():
+            if isinstance(value, _Held) and value.tensor._version != value.version:
+                fix = f"layers={{{'<its index>' if self.index is None else self.index}: 'off'}}"
+                raise InputWrittenError(
+                    f"hyperac: the non-persistent buffer {name!r} of {type(owner).__name__} in recomputed layer "
+                    f"{self.layer!r} was written in place after the layer's forward read it (its version went from "
+                    f"{value.version} to {value.tensor._version}), so the replay in backward would read the new "
+                    "values. Register it with persistent=True (hyperac then keeps a copy for the replay), rebind "
+                    f"it instead of writing into it, or leave the layer out of recompute: {fix}."
+                )
         self.real = [((owner, name), owner._buffers.get(name)) for owner, name in self.snapshot]
         for (owner, name), value in self.snapshot.items():
-            owner._buffers[name] = None if value is None else value.clone()
+            held = isinstance(value, _Held)
+            owner._buffers[name] = value.tensor if held else None if value is None else value.clone()
         try:
             self.inner.__enter__()
         except BaseException:
@@ -91,16 +126,21 @@ class BufferSnapshots:
     Holds data only: the region and the wrapped ``context_fn``.
     """
 
-    def __init__(self, region: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None) -> None:
+    def __init__(self, region: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None, layer: str,
+                 index: int | None) -> None:
         self.region = region
         self.context_fn = context_fn
+        self.layer, self.index = layer, index
+        """The layer's fqn and flat index, for errors."""
 
     @classmethod
-    def wrap(cls, region: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None) -> Any:
-        """``context_fn`` wrapped for ``region``, or ``context_fn`` itself if the region has no buffers."""
+    def wrap(cls, region: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None, layer: str,
+             index: int | None) -> Any:
+        """``context_fn`` wrapped for ``region`` (the layer ``layer``, flat index ``index``), or
+        ``context_fn`` itself if the region has no buffers."""
         if next(region.buffers(), None) is None:
             return context_fn
-        return cls(region, context_fn)
+        return cls(region, context_fn, layer, index)
 
     def __call__(self) -> tuple[Any, Any]:
         # Called as the region's forward starts, outside the inner contexts: the copies made here
@@ -109,4 +149,4 @@ class BufferSnapshots:
         inner_forward, inner_replay = (
             (contextlib.nullcontext(), contextlib.nullcontext()) if self.context_fn is None else self.context_fn()
         )
-        return inner_forward, _BuffersAsBefore(snapshot, inner_replay)
+        return inner_forward, _BuffersAsBefore(snapshot, inner_replay, self.layer, self.index)

@@ -374,7 +374,7 @@ class RecomputedForward(Override):
         self.index = index
         # Eager regions keep their buffer updates single (NOTE [Buffers in the replay] in buffers.py).
         compiled = context is not None and context.compile
-        self.context = context if compiled else BufferSnapshots.wrap(module, context)
+        self.context = context if compiled else BufferSnapshots.wrap(module, context, fqn, index)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, call = self.module_and_forward()

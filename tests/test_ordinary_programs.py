@@ -18,6 +18,7 @@ from program_fuzzer import differences, train
 from torch import nn
 
 import hyperac
+from hyperac.measure import measure_step
 
 MODES = ["full", "selective", "selective-even", "pointwise"]
 
@@ -260,3 +261,51 @@ def test_auto_profiling_registers_no_hook_on_user_tensors(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "register_hook", lambda t, hook: calls.append(t.shape) or register_hook(t, hook))
     assert_parity(model, lambda m: m(x), mode="auto", budget="1GiB", sample=lambda m: m(x))
     assert calls == []
+
+
+class _RotaryBlock(nn.Module):
+    """A layer holding a large non-persistent table (as torchtitan's llama3 holds its rotary table)."""
+
+    def __init__(self, width: int = 8, table_rows: int = 4096) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("table", torch.randn(table_rows, width), persistent=False)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x) * self.table[: x.shape[-2]])
+
+
+class _RotaryStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_RotaryBlock() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_non_persistent_buffers_are_held_not_copied(mode):
+    """NOTE [Non-persistent buffers are held, not copied]: a large derived table costs no copy per
+    layer (bytes kept at backward start stay below off's), and the gradients are off's."""
+    x = torch.randn(2, 16, 8, requires_grad=True)
+    reference = _RotaryStack()
+    model = copy.deepcopy(reference)
+    hyperac.apply(model, mode=mode, layers="blocks", backend="cpu")
+    kept = {name: measure_step(net, lambda net: net(x).sum())[0] for name, net in (("off", reference), (mode, model))}
+    assert kept[mode] < kept["off"], kept
+    for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(expected.grad, actual.grad), name
+
+
+def test_non_persistent_buffer_written_after_the_forward_raises_naming_the_layer():
+    model = _RotaryStack()
+    hyperac.apply(model, mode="full", layers="blocks", backend="cpu")
+    loss = model(torch.randn(2, 16, 8, requires_grad=True)).sum()
+    model.blocks[1].table.mul_(2)
+    with pytest.raises(hyperac.InputWrittenError, match=r"non-persistent buffer 'table' of _RotaryBlock in recomputed "
+                                                        r"layer 'blocks.1' .* layers=\{1: 'off'\}"):
+        loss.backward()
