@@ -179,12 +179,18 @@ def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[
         warnings.warn(message, HyperACWarning, stacklevel=3)
         notes.append(message)
         return [False] * len(modes)
-    if config.compile and any(w and mode == "full" for w, mode in zip(wanted, modes)):
-        message = ("under compile=True a 'full' layer's input cannot be offloaded (it is the previous graph's "
-                   "output); those layers recompute and keep their input on the device.")
-        warnings.warn(message, HyperACWarning, stacklevel=3)
-        notes.append(message)
-        wanted = [w and mode != "full" for w, mode in zip(wanted, modes)]
+    if config.compile:
+        # A compiled layer offloads only what it keeps (NOTE [Swap under torch.compile]): its input is
+        # the previous graph's output, so swap_inputs, and a planned swap of a full layer, do nothing.
+        offloads = [mode == "swap" or (mode in SELECTIVE_MODES and (config.swap_selective_outputs or (
+            planned is not None and planned[i]))) for i, mode in enumerate(modes)]
+        if any(w and not o for w, o in zip(wanted, offloads)):
+            message = ("under compile=True a layer's input cannot be offloaded (it is the previous graph's output): "
+                       "recomputed layers keep their input on the device, and swap_inputs is ignored (what "
+                       "mode='swap' and swap_selective_outputs=True layers keep is still offloaded).")
+            warnings.warn(message, HyperACWarning, stacklevel=3)
+            notes.append(message)
+            wanted = [w and o for w, o in zip(wanted, offloads)]
     return wanted
 
 

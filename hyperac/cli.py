@@ -220,9 +220,11 @@ def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[s
     from .planner.auto import resolve_choice
 
     modes, swaps, predictions = resolve_choice(estimate, chosen, budget_bytes, args.max_seq_len)
-    layers = tuple(LayerPlan(layer.index, layer.fqn, mode, () if mode in ("off", "swap") else (layer.fqn,), (), swap,
-                             layer.found_by)
-                   for layer, mode, swap in zip(discover_layers(model), modes, swaps))
+    # The swap chain's last layer keeps its tensors (NOTE [Swap in the plan]): apply records it as not swapping.
+    last_swap = max((i for i, swap in enumerate(swaps) if swap), default=None)
+    layers = tuple(LayerPlan(layer.index, layer.fqn, mode, () if mode in ("off", "swap") else (layer.fqn,), (),
+                             swap and i != last_swap, layer.found_by)
+                   for i, (layer, mode, swap) in enumerate(zip(discover_layers(model), modes, swaps)))
     notes = (f"planned by hyperac plan for {args.device}", *predictions.pop("notes"))
     plan_ = Plan(backend=args.device, adapter="none", layers=layers, notes=notes, **predictions)
     try:

@@ -367,3 +367,16 @@ def test_save_ops_reach_the_compiled_policy(base_model, loss_fn):
         flops[name] = counter.get_total_flops()
         assert flops[name] == eager_flops(copy.deepcopy(base_model), loss_fn, dict(mode="selective", **options)), name
     assert flops["mm only"] > flops["default"], flops
+
+
+def test_swap_inputs_under_compile_is_ignored_with_a_warning(base_model):
+    """A compiled layer's input is the previous graph's output: ``swap_inputs`` cannot offload it, so
+    selective layers must not take the flag as a request to offload their kept outputs instead."""
+    model = copy.deepcopy(base_model)
+    with pytest.warns(hyperac.HyperACWarning, match="swap_inputs is ignored"):
+        plan = hyperac.apply(model, mode="selective", swap_inputs=True, compile=True, backend="sim")
+    assert not any(layer.swap for layer in plan.layers), plan
+    hyperac.remove(model)
+    plan = hyperac.apply(model, mode="selective", swap_inputs=True, swap_selective_outputs=True, compile=True,
+                         backend="sim")
+    assert all(layer.swap for layer in plan.layers[:-1]), plan
