@@ -52,10 +52,10 @@ def _refused(model, message, **options):
 def test_this_torch_passes_and_the_check_is_cheap_after_the_first_call():
     _compat.require("selective", "swap_selective_outputs")
     calls = 2000
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a loaded machine does not move it
     for _ in range(calls):
         _compat.require("selective", "swap_selective_outputs")
-    assert (time.perf_counter() - start) / calls < 1e-3
+    assert (time.process_time() - start) / calls < 1e-3
 
 
 def test_tested_range_is_what_pyproject_declares():

@@ -671,7 +671,7 @@ def test_500_apply_step_remove_or_drop_cycles_leave_nothing():
     loss_fn = net_loss()
     plans = [PLANS["full+inputs"], PLANS["swap"], PLANS["selective+outputs"]]
     managers, dropped = [], []
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a loaded machine does not move it
     for cycle in range(500):
         model = base if cycle % 2 == 0 else copy.deepcopy(base)
         hyperac.apply(model, layers="blocks", **SIM, **plans[cycle % 3])
@@ -684,9 +684,9 @@ def test_500_apply_step_remove_or_drop_cycles_leave_nothing():
         else:
             dropped.append(weakref.ref(model))
         del model
-    elapsed = time.perf_counter() - start
+    cpu_seconds = time.process_time() - start
     gc.collect()
-    assert elapsed < 15, f"500 cycles took {elapsed:.1f} s"
+    assert cpu_seconds < 90, f"500 cycles took {cpu_seconds:.1f} s of CPU (about 10 s expected): work grows per cycle"
     assert live_group_count() == 0
     assert [ref for ref in dropped if ref() is not None] == []
     assert sum(m.pool.allocated_bytes for m in managers) == 0
