@@ -28,7 +28,7 @@ from .planner import (
     plan_swaps,
     remove_first_step_check,
 )
-from .planner.auto import TIMED_ROUNDS, _link_bandwidth
+from .planner.auto import TIMED_ROUNDS, link_bandwidth
 from .planner.compiled import compiled_auto_modes
 from .planner.lengths import LengthCheck
 from .policy import OpSets, resolve_op_sets
@@ -171,11 +171,9 @@ def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[
               for i, mode in enumerate(modes)]
     if not any(wanted):
         return wanted
-    reason = None
     if not backend.can_swap:
-        reason = f"swap has no effect on the {backend.name!r} backend (activations already live in host memory)"
-    if reason is not None:
-        message = f"{reason}; tensors stay on the device and 'swap' layers behave as 'off'."
+        message = (f"swap has no effect on the {backend.name!r} backend (activations already live in host memory); "
+                   "tensors stay on the device and 'swap' layers behave as 'off'.")
         warnings.warn(message, HyperACWarning, stacklevel=3)
         notes.append(message)
         return [False] * len(modes)
@@ -301,8 +299,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     state = AppliedState(result, type(model).__name__, manager)
     try:
         if config.compile and any(layer.swap for layer in layer_plans):
-            first = next(model.parameters(), None)
-            state.offload = require_offloading(_link_bandwidth(chosen_backend, None if first is None else first.device),
+            state.offload = require_offloading(link_bandwidth(chosen_backend, model),
                                                separate_stream=chosen_backend.device_type != "cpu")
         _install(found, modes, swaps, last_swap, regions, chosen_backend, ops, config, state, planned_swaps)
         if any(layer.recomputed for layer in layer_plans):

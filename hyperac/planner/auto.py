@@ -61,9 +61,8 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
             rounds=TIMED_ROUNDS if timed and not on_meta else 0, synchronize=backend.synchronize,
         )
     if not on_meta:
-        first = next(iter(model.parameters()), None)
         return build_estimate(layers, profiles, timing=f"measured on {backend.name}",
-                              link_bandwidth=_link_bandwidth(backend, None if first is None else first.device))
+                              link_bandwidth=link_bandwidth(backend, model))
     profile = device_profile(device or "cpu")
     host = host_costs(torch.device("cpu"), runner)
     return build_estimate(layers, profiles, profile, host,
@@ -87,11 +86,12 @@ def _mixed_runner(model: nn.Module, layers: Sequence[Layer], runner: Runner) -> 
     return run_mode
 
 
-def _link_bandwidth(backend: Any, device: torch.device | None) -> float:
-    """The host link's bytes/s for swap copies: the backend's figure for ``device`` where it has
-    one (measured once per process and device; ``HYPERAC_HOST_LINK_BANDWIDTH`` overrides it), else
-    the slowest link of the device profiles."""
-    measured = backend.host_link_bandwidth(device) if backend.can_swap else None
+def link_bandwidth(backend: Any, model: nn.Module) -> float:
+    """The host link's bytes/s for ``model``'s swap copies: the backend's figure for the device of
+    its parameters where it has one (measured once per process and device;
+    ``HYPERAC_HOST_LINK_BANDWIDTH`` overrides it), else the slowest link of the device profiles."""
+    first = next(model.parameters(), None)
+    measured = backend.host_link_bandwidth(None if first is None else first.device) if backend.can_swap else None
     return measured if measured is not None else min(profile.host_link_bandwidth for profile in DEVICES.values())
 
 
