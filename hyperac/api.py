@@ -19,6 +19,7 @@ from .config import MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
 from .layer_modes import assign_modes, reversible_note
+from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, Plan
 from .planner import (
     Estimate,
@@ -30,7 +31,6 @@ from .planner import (
 )
 from .planner.auto import TIMED_ROUNDS, link_bandwidth
 from .planner.compiled import compiled_auto_modes
-from .planner.lengths import LengthCheck
 from .policy import OpSets, resolve_op_sets
 from .recompute import build_context_fn, install_exclusion, install_forced_recompute, install_recompute, install_swap
 from .state import STATE_KEY, AppliedState, find_owned, install_hook, undo
@@ -212,6 +212,7 @@ def apply(
     sample: Any = _D["sample"],
     max_seq_len: int | None = _D["max_seq_len"],
     seq_dim: int = _D["seq_dim"],
+    length_buckets: int = _D["length_buckets"],
     plan: Any = _D["plan"],
     adapter: Any = _D["adapter"],
     save_ops: Any = _D["save_ops"],
@@ -240,7 +241,8 @@ def apply(
         dict(mode=mode, backend=backend, layers=layers, compile=compile, swap_inputs=swap_inputs,
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
              host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter,
-             max_seq_len=max_seq_len, seq_dim=seq_dim, save_ops=save_ops, force_recompute=force_recompute),
+             max_seq_len=max_seq_len, seq_dim=seq_dim, length_buckets=length_buckets, save_ops=save_ops,
+             force_recompute=force_recompute),
     )
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
@@ -251,6 +253,8 @@ def apply(
         modes = _modes_from_plan(config.plan, found)
         if any(layer.swap for layer in config.plan.layers):  # the layers that offloaded offload again
             modes, planned_swaps = plan_swaps(modes, [layer.swap for layer in config.plan.layers])
+        if config.plan.buckets:  # switched by length again (NOTE [Plans per length bucket])
+            prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets}
     elif config.mode == "auto" and config.compile:  # plan for compiled layers (planner/compiled.py)
         modes, planned_swaps, prediction = compiled_auto_modes(
             model, found, config.budget, config.sample,
@@ -259,7 +263,8 @@ def apply(
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
-            chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len, config.seq_dim)
+            chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len, config.seq_dim,
+            config.length_buckets)
     else:
         modes = assign_modes(found, config)
     return _apply_modes(model, named_modules, found, modes, config, chosen_backend, planned_swaps, prediction)
@@ -276,15 +281,17 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
     notes: list[str] = reversible_note(found) + prediction.pop("notes", [])
-    regions = _regions_by_layer(
-        dict(named_modules), found, modes, adapter_spec, config, _hf.has_kv_sharing(configs), notes
+    buckets = prediction.get("buckets", ())
+    regions = _regions_by_layer(  # with buckets, longer batches recompute every layer (NOTE [Plans per length bucket])
+        dict(named_modules), found, ["full"] * len(found) if buckets else modes, adapter_spec, config,
+        _hf.has_kv_sharing(configs), notes
     )
     swaps = _swap_flags(config, chosen_backend, modes, notes, planned_swaps)
-    # The last swapping layer keeps its tensors (its backward comes first) but stays in the chain.
-    last_swap = max((i for i, flag in enumerate(swaps) if flag), default=None)
+    variants = _bucket_variants(config, chosen_backend, modes, swaps, planned_swaps, buckets)
+    last_swap = variants[-1][2]  # the default's swap chain, which longer batches keep
     layer_plans = []
     for i, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
-        roots, excluded = regions.get(layer.fqn, ((), ()))
+        roots, excluded = regions.get(layer.fqn, ((), ())) if mode in RECOMPUTE_MODES else ((), ())
         layer_plans.append(LayerPlan(layer.index, layer.fqn, mode, tuple(f for f, _ in roots),
                                      tuple(f for f, _ in excluded), swap and i != last_swap, layer.found_by))
     if config.compile:
@@ -292,24 +299,35 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     result = Plan(
         backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )
-    _compat.require_for(modes, swaps, config)
-    ops = resolve_op_sets(chosen_backend, config.save_ops) if set(modes) & set(SELECTIVE_MODES) else None
-    eager_swap = any(swaps) and not config.compile
+    for variant_modes, variant_swaps, *_ in variants:
+        _compat.require_for(variant_modes, variant_swaps, config)
+    every_mode = {mode for variant in variants for mode in variant[0]}
+    ops = resolve_op_sets(chosen_backend, config.save_ops) if every_mode & set(SELECTIVE_MODES) else None
+    eager_swap = any(any(variant[1]) for variant in variants) and not config.compile
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if eager_swap else None
-    state = AppliedState(result, type(model).__name__, manager)
+    state = AppliedState(result, type(model).__name__, manager, bucket=max(len(buckets) - 1, 0))
+
+    def install_variant(k: int) -> None:
+        variant_modes, variant_swaps, variant_last, variant_planned = variants[k]
+        _install(found, variant_modes, variant_swaps, variant_last, regions, chosen_backend, ops, config, state,
+                 variant_planned)
+
     try:
         if config.compile and any(layer.swap for layer in layer_plans):
             state.offload = require_offloading(link_bandwidth(chosen_backend, model),
                                                separate_stream=chosen_backend.device_type != "cpu")
-        _install(found, modes, swaps, last_swap, regions, chosen_backend, ops, config, state, planned_swaps)
-        if any(layer.recomputed for layer in layer_plans):
+        if buckets:  # NOTE [Plans per length bucket] in length_switch.py
+            install_switched(named_modules, state, len(variants), install_variant)
+            install_hook(model, LengthSwitch(state, tuple(b.max_len for b in buckets), config.seq_dim), pre=True,
+                         with_kwargs=True)
+        else:
+            install_variant(0)
+        if any(layer.recomputed for layer in layer_plans) or buckets:
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
         if result.predicted_bytes is not None and result.max_seq_len is None and not config.compile:
             # compiled: saved bytes, not eager ones; max_seq_len: shorter steps keep less
             install_first_step_check(model, result.predicted_bytes)
-        if result.max_seq_len is not None:
-            install_hook(model, LengthCheck(state, result.max_seq_len, config.seq_dim), pre=True, with_kwargs=True)
         if adapter_spec is not None and adapter_spec.on_applied is not None:
             adapter_spec.on_applied(model)
     except BaseException:
@@ -318,6 +336,33 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
         raise
     logger.info("%s", result.summary())
     return result
+
+
+Variant = tuple[list[str], list[bool], int | None, list[bool] | None]
+"""A plan to install: per-layer modes and swap flags, the swap chain's last layer, the planned swaps."""
+
+
+def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: list[bool],
+                     planned_swaps: list[bool] | None, buckets: tuple) -> list[Variant]:
+    """The plan per length bucket, then ``full`` on every layer with the default's swaps for longer
+    batches (NOTE [Plans per length bucket]); without buckets, the plan alone. A bucket whose modes
+    are the default's runs the default, swaps included; the others swap only as ``Config`` asks."""
+    last_swap = max((i for i, flag in enumerate(swaps) if flag), default=None)
+    default = (modes, swaps, last_swap, planned_swaps)
+    if not buckets:
+        return [default]
+    variants = []
+    for bucket in buckets:
+        bucket_modes = list(bucket.modes)
+        if bucket_modes == modes:
+            variants.append(default)
+            continue
+        with warnings.catch_warnings():  # given for the default plan already
+            warnings.simplefilter("ignore", HyperACWarning)
+            bucket_swaps = _swap_flags(config, backend, bucket_modes, [], None)
+        variants.append((bucket_modes, bucket_swaps, max((i for i, f in enumerate(bucket_swaps) if f), default=None),
+                         None))
+    return [*variants, (["full"] * len(modes), swaps, last_swap, planned_swaps)]
 
 
 def _install(

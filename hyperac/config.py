@@ -266,6 +266,11 @@ class Config:
     seq_dim: int = 1
     """``max_seq_len=``: the dimension of the sample's tensors that is the sequence length."""
 
+    length_buckets: int = 4
+    """``max_seq_len=``: how many length buckets get a plan each, with bounds evenly spaced up to
+    ``max_seq_len`` (4: L/4, L/2, 3L/4, L); each training forward runs the plan of the smallest
+    bucket that holds its length. 1: the plan for ``max_seq_len`` on every batch up to it."""
+
     plan: Any = None
     """A :class:`hyperac.Plan` (or its ``to_dict()``) to apply again: its per-layer modes. Swap of
     recomputed layers still follows ``swap_inputs``/``swap_selective_outputs`` (``swap`` layers swap)."""
@@ -353,6 +358,8 @@ class Config:
         if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool) or not isinstance(
                 self.max_seq_len, int) or self.max_seq_len < 1):
             raise ConfigError(f"Config.max_seq_len must be a positive int, got {self.max_seq_len!r}; e.g. 4096.")
+        if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) or self.length_buckets < 1:
+            raise ConfigError(f"Config.length_buckets must be an int >= 1, got {self.length_buckets!r}; e.g. 4.")
         if isinstance(self.seq_dim, bool) or not isinstance(self.seq_dim, int) or self.seq_dim < 0:
             raise ConfigError(f"Config.seq_dim must be an int >= 0, got {self.seq_dim!r}; e.g. 1 for (batch, seq).")
         if self.sample is not None and not (isinstance(self.sample, Mapping) or callable(self.sample)):
@@ -366,6 +373,11 @@ class Config:
                     f"Config.plan must be a hyperac.Plan or its to_dict(), got {type(self.plan).__name__}."
                 )
             object.__setattr__(self, "plan", Plan.from_dict(self.plan) if isinstance(self.plan, Mapping) else self.plan)
+            if self.plan.buckets and self.compile:
+                raise ConfigError(
+                    f"Config.plan has length buckets (max_seq_len={self.plan.max_seq_len}), which are not supported "
+                    "with compile=True yet (each bucket's plan would be another graph); apply it with compile=False."
+                )
 
     def _check_policy_options(self) -> None:
         given = [field for field, value in (("save_ops", self.save_ops is not None),

@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["MODE_LETTERS", "LayerPlan", "Plan", "mode_letters"]
+__all__ = ["MODE_LETTERS", "LayerPlan", "LengthBucket", "Plan", "mode_letters"]
 
 MODE_LETTERS = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F", "swap": "w"}
 """One letter per mode, for writing a plan in a line: ``FFoo`` is full recompute on layers 0-1."""
@@ -49,6 +49,29 @@ class LayerPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class LengthBucket:
+    """``mode="auto"`` with ``max_seq_len=``: the plan a training batch of up to ``max_len``
+    positions runs (and longer than the bucket before; NOTE [Plans per length bucket] in
+    hyperac/length_switch.py)."""
+
+    max_len: int
+    modes: tuple[str, ...]
+    """One mode per layer. Modes equal to the plan's own (its layers') run the plan as it is, its
+    swaps included; any other bucket recomputes only (no layer swaps)."""
+    predicted_peak_bytes: int | None = None
+    """The predicted peak of live activation bytes of a step at ``max_len`` positions."""
+    predicted_step_seconds: float | None = None
+    """The predicted seconds of one forward and backward at ``max_len`` positions."""
+    predicted_bytes: int | None = None
+    """The activation bytes predicted alive when backward starts, at ``max_len`` positions."""
+    predicted_recompute_flops: int | None = None
+    """The FLOPs predicted replayed in backward, at ``max_len`` positions."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "modes": list(self.modes)}
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """The applied plan: backend, adapter and per-layer modes. ``str(plan)`` is a short table."""
 
@@ -71,6 +94,11 @@ class Plan:
     max_seq_len: int | None = None
     """``mode="auto"`` with ``max_seq_len=``: the sequence length the predictions are for (every
     shorter batch keeps less)."""
+    buckets: tuple[LengthBucket, ...] = ()
+    """``mode="auto"`` with ``max_seq_len=``: the plan per length bucket, shortest first; the last
+    (up to ``max_seq_len``) is the plan's own layers, the default. Each training forward runs the
+    bucket that holds its length; a longer batch runs ``full`` on every layer (with the default's
+    swaps)."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -87,8 +115,10 @@ class Plan:
                                   f"{sorted(map(str, data))}); give one {shape}.")
         layers = tuple(_layer_from_dict(position, layer, shape) for position, layer in enumerate(data["layers"]))
         fields = {k: data[k] for k in _PREDICTIONS if k in data}
+        buckets = tuple(_bucket_from_dict(position, bucket, len(layers), fields.get("max_seq_len"))
+                        for position, bucket in enumerate(data.get("buckets", ())))
         return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
-                   notes=tuple(data.get("notes", ())), **fields)
+                   notes=tuple(data.get("notes", ())), buckets=buckets, **fields)
 
     def count(self, mode: str) -> int:
         return sum(1 for layer in self.layers if layer.mode == mode)
@@ -111,6 +141,7 @@ class Plan:
             "layers": [layer.to_dict() for layer in self.layers],
             "notes": list(self.notes),
             **{name: getattr(self, name) for name in _PREDICTIONS},
+            "buckets": [bucket.to_dict() for bucket in self.buckets],
         }
 
     def __str__(self) -> str:
@@ -141,8 +172,27 @@ class Plan:
                 f"{(self.predicted_swap_bytes or 0) / 2**20:.2f} MiB swapped to host"
                 + (f", at sequence length {self.max_seq_len} (shorter batches keep less)" if self.max_seq_len else "")
             )
+        lines.extend(self._bucket_lines())
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _bucket_lines(self) -> list[str]:
+        if not self.buckets:
+            return []
+        default = self.buckets[-1]
+        width = len(str(default.max_len))
+        lines = ["plans per length bucket (chosen at each training forward by the batch's length):"]
+        for bucket in self.buckets:
+            lines.append(
+                f"  up to {bucket.max_len:>{width}}: {mode_letters(bucket.modes)}  peak "
+                f"{(bucket.predicted_peak_bytes or 0) / 2**20:.2f} MiB, "
+                f"{(bucket.predicted_step_seconds or 0) * 1e3:.1f} ms per step"
+                + ("  (default)" if bucket is default else "")
+            )
+        swaps = " with the default's swaps" if any(layer.swap for layer in self.layers) else ""
+        lines.append(f"  longer than {default.max_len}: {'F' * len(self.layers)} (full on every layer{swaps}), "
+                     "after a warning")
+        return lines
 
 
 def _layer_from_dict(position: int, layer: Any, shape: str) -> LayerPlan:
@@ -159,6 +209,21 @@ def _layer_from_dict(position: int, layer: Any, shape: str) -> LayerPlan:
         raise ConfigError(f"{where}['mode'] is {layer['mode']!r}; a layer's mode is one of {sorted(MODE_LETTERS)}.")
     return LayerPlan(**{**layer, "recomputed": tuple(layer.get("recomputed", ())),
                         "excluded": tuple(layer.get("excluded", ()))})
+
+
+def _bucket_from_dict(position: int, bucket: Any, count: int, max_seq_len: Any) -> LengthBucket:
+    where = f"Config.plan['buckets'][{position}]"
+    known = {field.name for field in dataclasses.fields(LengthBucket)}
+    if not isinstance(bucket, Mapping) or not {"max_len", "modes"} <= set(bucket) or set(map(str, bucket)) - known:
+        raise ConfigError(f"{where} is {bucket!r}; each bucket is a dict with 'max_len' and 'modes' (one per layer) "
+                          f"and optionally {sorted(known - {'max_len', 'modes'})}.")
+    modes = tuple(bucket["modes"])
+    if len(modes) != count or any(mode not in MODE_LETTERS for mode in modes):
+        raise ConfigError(f"{where}['modes'] is {list(modes)!r}; give one mode per layer ({count}), each one of "
+                          f"{sorted(MODE_LETTERS)}.")
+    if max_seq_len is None:
+        raise ConfigError(f"{where}: a plan with length buckets needs 'max_seq_len' (the last bucket's max_len).")
+    return LengthBucket(**{**bucket, "modes": modes})
 
 
 def _describe_targets(layer: LayerPlan) -> str:

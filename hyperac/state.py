@@ -46,6 +46,9 @@ class AppliedState:
     """Warnings already given for this model (each is given once per model, not once per process)."""
     offload: OffloadMarker | None = None
     """Under ``compile=True`` with swap: the activation offloading this apply turned on (compiled.py)."""
+    bucket: int = 0
+    """With length buckets: the position in ``plan.buckets`` of the plan the next layer forwards run
+    (one past the last: ``full`` on every layer), set by each training forward (length_switch.py)."""
 
     def __post_init__(self) -> None:
         self._tie_teardown()

@@ -22,7 +22,7 @@ from .attention import fused_attention_on_meta
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, build_estimate, split_option
 from .devices import DEVICES, device_profile
 from .dispatch import describe, host_costs
-from .lengths import fitted_estimate, sequence_length, truncated
+from .lengths import bucket_bounds, fitted_estimates, length_buckets, sequence_length, truncated
 from .profile import profile_modes
 from .restore import side_effects_undone
 from .solver import choose_modes
@@ -108,24 +108,30 @@ def plan_swaps(modes: Sequence[str], offloads: Sequence[bool]) -> tuple[list[str
 
 def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, runner: Runner,
                backend: Any, host_budget_bytes: int, min_swap_bytes: int = 0, max_seq_len: int | None = None,
-               seq_dim: int = 1) -> tuple[list[str], list[bool], dict[str, Any]]:
+               seq_dim: int = 1, buckets: int = 1) -> tuple[list[str], list[bool], dict[str, Any]]:
     """The per-layer modes and swap flags ``mode="auto"`` applies, and the plan's predictions.
     Swap is a choice where ``backend.can_swap``, within ``host_budget_bytes`` of pinned memory,
     moving the storages of at least ``min_swap_bytes`` (NOTE [Swap in the plan]). With
     ``max_seq_len``, the plan is made for that sequence length (dimension ``seq_dim`` of the
-    sample's tensors), so that every batch up to it fits (:mod:`.lengths`)."""
+    sample's tensors), so that every batch up to it fits, and one more per length bucket
+    (``buckets`` of them, from the same profiles; :mod:`.lengths`)."""
     if max_seq_len is None:
-        estimate = estimate_layers(model, sample, layers, runner, backend)
+        estimates = [estimate_layers(model, sample, layers, runner, backend)]
     else:
-        estimate = fitted_estimate(lambda length, timed: estimate_layers(
+        bounds = bucket_bounds(max_seq_len, buckets)
+        estimates = fitted_estimates(lambda length, timed: estimate_layers(
             model, truncated(sample, seq_dim, length), layers, runner, backend, timed=timed),
-            sequence_length(sample, seq_dim), max_seq_len)
-    estimate = dataclasses.replace(estimate, min_swap_bytes=min_swap_bytes)
+            sequence_length(sample, seq_dim), bounds)
+    estimates = [dataclasses.replace(estimate, min_swap_bytes=min_swap_bytes) for estimate in estimates]
+    estimate = estimates[-1]
     off = ["off"] * len(layers)
     budget_bytes = parse_budget(budget, estimate.peak_bytes(off))
     options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
     chosen = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget_bytes)
-    return resolve_choice(estimate, chosen, budget_bytes, max_seq_len)
+    modes, swaps, prediction = resolve_choice(estimate, chosen, budget_bytes, max_seq_len)
+    if max_seq_len is not None:
+        prediction["buckets"] = length_buckets(bounds, estimates, chosen, modes, budget_bytes)
+    return modes, swaps, prediction
 
 
 def resolve_choice(estimate: Estimate, chosen: Sequence[str], budget_bytes: int, max_seq_len: int | None = None

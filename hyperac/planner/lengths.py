@@ -20,7 +20,19 @@ only ranks plans). The sequence length is dimension 1 of every tensor in the sam
 the sample's length there (``seq_dim=`` names another); a sample given as a callable cannot be
 cut, and is refused with ``max_seq_len=``. A training batch longer than ``max_seq_len`` (its
 first tensor argument's dimension ``seq_dim``) is outside what the plan was made for: it warns,
-once per shape (:class:`LengthCheck`).
+once per shape, and runs ``full`` on every layer (NOTE [Plans per length bucket] in
+hyperac/length_switch.py).
+
+NOTE [Bucket bounds]
+The same two profiles give the costs at any length, so a plan per length bucket costs no profiling,
+only a solve per bucket (milliseconds). The ``length_buckets`` bounds are evenly spaced up to ``L``
+(default 4: L/4, L/2, 3L/4, L), each bucket planned at its upper bound, where its batches keep the
+most. A batch just past a bound runs a plan made for up to L/4 more positions, so it recomputes more
+than it needs: finer buckets waste less, but each adds an override variant per layer, a row in the
+plan and, on the bucket boundaries, a step whose time jumps; four keep a batch of at least half of
+``L`` within 1.5x of its own length's plan. Below ``L`` a bucket is planned among the recompute
+modes only (swap is chosen at ``L`` alone), and takes the plan for ``L`` where that is predicted as
+fast or faster, or where no recompute-only plan fits.
 """
 
 from __future__ import annotations
@@ -32,11 +44,12 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, warn_once
-from ..state import AppliedState, Installed
-from .cost import Estimate
+from ..errors import ConfigError
+from ..plan import LengthBucket
+from .cost import ESTIMATE_MODES, Estimate
+from .solver import choose_modes
 
-__all__ = ["LengthCheck", "at_length", "fitted_estimate", "sequence_length", "truncated"]
+__all__ = ["at_length", "bucket_bounds", "fitted_estimates", "length_buckets", "sequence_length", "truncated"]
 
 
 def sequence_length(sample: Any, dim: int) -> int:
@@ -78,12 +91,39 @@ def _fit_dict(short: Mapping[str, int], long: Mapping[str, int], *lengths: int) 
     return {key: _fit(short.get(key, 0), value, *lengths) for key, value in long.items()}
 
 
-def fitted_estimate(estimate_at: Callable[[int, bool], Estimate], length: int, max_seq_len: int) -> Estimate:
-    """The estimate at ``max_seq_len`` from ``estimate_at(n, timed)`` at the sample's ``length``
+def bucket_bounds(max_seq_len: int, count: int) -> list[int]:
+    """The upper bounds of ``count`` length buckets up to ``max_seq_len`` (NOTE [Bucket bounds])."""
+    return sorted({math.ceil(max_seq_len * k / count) for k in range(1, count + 1)})
+
+
+def fitted_estimates(estimate_at: Callable[[int, bool], Estimate], length: int, bounds: list[int]) -> list[Estimate]:
+    """The estimate at each of ``bounds`` from ``estimate_at(n, timed)`` at the sample's ``length``
     (timed) and at half of it (not timed; NOTE [Costs as functions of the length])."""
     half = max(length // 2, 1)
     long = estimate_at(length, True)
-    return at_length(estimate_at(half, False), long, half, length, max_seq_len)
+    short = estimate_at(half, False)
+    return [at_length(short, long, half, length, bound) for bound in bounds]
+
+
+def length_buckets(bounds: list[int], estimates: list[Estimate], default: list[str], default_modes: list[str],
+                   budget_bytes: int) -> tuple[LengthBucket, ...]:
+    """One :class:`LengthBucket` per bound: the fastest recompute-only plan within ``budget_bytes``
+    at the bound, or the plan for the last bound (``default``, solver options; ``default_modes``,
+    as applied) where that is as fast or no recompute-only plan fits (NOTE [Bucket bounds])."""
+    buckets = []
+    for bound, estimate in zip(bounds, estimates):
+        chosen, modes = default, default_modes
+        if bound < bounds[-1]:
+            try:
+                shorter = choose_modes(estimate, budget_bytes, ESTIMATE_MODES)
+            except ConfigError:  # only swap fits: the default's
+                shorter = default
+            if estimate.step_seconds(shorter) < estimate.step_seconds(default):
+                chosen, modes = shorter, shorter
+        buckets.append(LengthBucket(
+            bound, tuple(modes), estimate.peak_bytes(chosen), estimate.step_seconds(chosen),
+            estimate.total_bytes(chosen), estimate.total_recompute_flops(chosen)))
+    return tuple(buckets)
 
 
 def at_length(short: Estimate, long: Estimate, short_length: int, long_length: int, target: int) -> Estimate:
@@ -112,26 +152,3 @@ def at_length(short: Estimate, long: Estimate, short_length: int, long_length: i
         outside_seconds=long.outside_seconds * scale,
         timing=f"{long.timing}; bytes fitted from lengths {short_length} and {long_length} to {target}",
     )
-
-
-class LengthCheck(Installed):
-    """Forward pre-hook on the model of a plan made for ``max_seq_len``: a training batch longer than
-    that warns, once per shape (its first tensor argument, dimension ``seq_dim``)."""
-
-    def __init__(self, owner: AppliedState, max_seq_len: int, seq_dim: int) -> None:
-        self.owner, self.fqn = owner, ""
-        self.max_seq_len, self.seq_dim = max_seq_len, seq_dim
-
-    def __call__(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > self.seq_dim),
-                     None)
-        if first is not None and first.shape[self.seq_dim] > self.max_seq_len:
-            length = first.shape[self.seq_dim]
-            warn_once(
-                f"hyperac: a training batch of shape {list(first.shape)} has {length} positions in dimension "
-                f"{self.seq_dim}, more than the max_seq_len={self.max_seq_len} the plan was made for, so its peak "
-                f"may exceed the budget; apply mode='auto' again with max_seq_len={length} or more.",
-                self.owner.warned, stacklevel=4,
-            )

@@ -1,0 +1,109 @@
+"""Plans per length bucket, switched at each training forward (``mode="auto"``, ``max_seq_len=``).
+
+A plan made for the longest batch, ``max_seq_len``, recomputes more than a short batch needs: its
+activations are a fraction of the long one's, so a plan with fewer recomputed layers fits the same
+budget and runs faster. The planner makes one plan per length bucket from the same fitted costs
+(NOTE [Bucket bounds] in hyperac/planner/lengths.py); this module runs the right one per step.
+
+NOTE [Plans per length bucket]
+At apply, every plan (one per bucket, and ``full`` on every layer for batches longer than
+``max_seq_len``) is installed once, in turn, each through apply's one installation path, and what
+each set on a module (its forward overrides) is collected; each module then gets one
+:class:`SwitchedForward` holding those overrides by bucket, and the model a :class:`LengthSwitch`
+forward pre-hook. At each training forward (grad enabled, ``model.training``) the pre-hook reads
+the batch's length (its first tensor argument or keyword argument with more than ``seq_dim``
+dimensions, that dimension) and sets the bucket, an index the applied state holds as data; each
+switched module dispatches on it when called. A switch is one integer write: nothing is
+installed, removed or compiled per step. A layer's replay uses the mode its forward ran in, however
+the bucket changes before its backward (accumulation of micro-batches of different lengths, or
+interleaved pipeline stages): the mode's override builds the replay's contexts at the layer's
+forward (``torch.utils.checkpoint`` keeps them with the saved tensors), and nothing reads the bucket
+after that. Evaluation and ``no_grad`` forwards switch nothing (each override then runs the
+module's own forward). A training batch longer than ``max_seq_len``, or one whose length cannot be
+read, warns once per shape and runs the most memory-saving plan: ``full`` on every layer, swapping
+where the default plan swaps; never the default plan over its budget, silently.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import warn_once
+from .state import AppliedState, Installed, Override
+
+__all__ = ["LengthSwitch", "SwitchedForward", "install_switched"]
+
+
+class LengthSwitch(Installed):
+    """Forward pre-hook on the model: each training forward runs the plan of the smallest length
+    bucket that holds its batch (``bounds``: the buckets' upper bounds, ascending), or past the last
+    one ``full`` on every layer, with a warning once per shape (NOTE [Plans per length bucket])."""
+
+    def __init__(self, owner: AppliedState, bounds: tuple[int, ...], seq_dim: int) -> None:
+        self.owner, self.fqn = owner, ""
+        self.bounds, self.seq_dim = bounds, seq_dim
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > self.seq_dim),
+                     None)
+        longest = len(self.bounds)
+        if first is None:
+            shapes = [list(v.shape) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+            warn_once(
+                f"hyperac: a training batch with tensor arguments of shapes {shapes} has none with a dimension "
+                f"{self.seq_dim} to read its sequence length from, so it runs full recompute on every layer (the "
+                "most memory-saving plan); name the sequence dimension with seq_dim= in apply.",
+                self.owner.warned, stacklevel=4,
+            )
+            self.owner.bucket = longest
+            return
+        length = first.shape[self.seq_dim]
+        self.owner.bucket = bisect.bisect_left(self.bounds, length)
+        if self.owner.bucket == longest:
+            warn_once(
+                f"hyperac: a training batch of shape {list(first.shape)} has {length} positions in dimension "
+                f"{self.seq_dim}, more than the max_seq_len={self.bounds[-1]} the plan was made for, so it runs "
+                "full recompute on every layer (the most memory-saving plan), which may still exceed the budget; "
+                f"apply mode='auto' again with max_seq_len={length} or more.",
+                self.owner.warned, stacklevel=4,
+            )
+
+
+class SwitchedForward(Override):
+    """A module's forward per length bucket: ``variants[bucket]`` is the override that bucket's plan
+    installed on the module, ``None`` where it left the module's own forward (NOTE [Plans per
+    length bucket])."""
+
+    def __init__(self, module: nn.Module, owner: AppliedState, fqn: str, variants: tuple[Override | None, ...]) -> None:
+        super().__init__(module, owner, fqn)
+        self.variants = variants
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        variant = self.variants[self.owner.bucket]
+        if variant is None:
+            return self.module_and_forward()[1](*args, **kwargs)
+        return variant(*args, **kwargs)
+
+
+def install_switched(modules: list[tuple[str, nn.Module]], owner: AppliedState, plans: int,
+                     install: Callable[[int], None]) -> None:
+    """Install ``plans`` plans switched by ``owner.bucket``: ``install(k)`` installs plan ``k`` as
+    if alone; what it set on each of ``modules`` is collected, then a :class:`SwitchedForward`
+    holds it (NOTE [Plans per length bucket])."""
+    collected: dict[int, tuple[str, nn.Module, list[Override | None]]] = {}
+    for k in range(plans):
+        install(k)
+        for fqn, module in modules:
+            override = module.__dict__.get("forward")
+            if isinstance(override, Override) and override.owner is owner:
+                override.restore(module)
+                collected.setdefault(id(module), (fqn, module, [None] * plans))[2][k] = override
+    for fqn, module, variants in collected.values():
+        SwitchedForward(module, owner, fqn, tuple(variants)).install()
