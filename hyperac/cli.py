@@ -196,11 +196,12 @@ def _model_and_samples(args: argparse.Namespace) -> tuple[torch.nn.Module, Calla
     return model, lambda length: {"input_ids": ids(length), "labels": ids(length)}, described
 
 
-def _estimate(args: argparse.Namespace, model: torch.nn.Module, sample_at: Callable[[int], Any]) -> Any:
-    """The estimate at ``--seq``; with ``--max-seq-len``, fitted from ``--seq`` and half of it to that
-    length, as ``apply(mode="auto", max_seq_len=)`` plans (:mod:`hyperac.planner.lengths`)."""
+def _estimates(args: argparse.Namespace, model: torch.nn.Module, sample_at: Callable[[int], Any]) -> list[Any]:
+    """The estimate at ``--seq``; with ``--max-seq-len``, fitted from ``--seq`` and half of it to each
+    length bucket's bound, the last that length, as ``apply(mode="auto", max_seq_len=)`` plans
+    (:mod:`hyperac.planner.lengths`)."""
     from . import api
-    from .planner.lengths import fitted_estimate
+    from .planner.lengths import bucket_bounds, fitted_estimates
 
     swap_options = {} if args.min_swap_bytes is None else {"min_swap_bytes": args.min_swap_bytes}
 
@@ -208,12 +209,12 @@ def _estimate(args: argparse.Namespace, model: torch.nn.Module, sample_at: Calla
         return api.estimate(model, sample_at(length), backend="cpu", device_profile=args.device, **swap_options)
 
     if args.max_seq_len is None:
-        return estimate_at(args.seq)
-    return fitted_estimate(estimate_at, args.seq, args.max_seq_len)
+        return [estimate_at(args.seq)]
+    return fitted_estimates(estimate_at, args.seq, bucket_bounds(args.max_seq_len, args.length_buckets))
 
 
 def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[str], budget_bytes: int,
-                args: argparse.Namespace) -> None:
+                args: argparse.Namespace, buckets: tuple) -> None:
     """``--output``: the plan as :meth:`hyperac.Plan.to_dict` writes it, for ``apply(model, plan=...)``."""
     from .discovery import discover_layers
     from .plan import LayerPlan, Plan
@@ -226,7 +227,7 @@ def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[s
                              swap and i != last_swap, layer.found_by)
                    for i, (layer, mode, swap) in enumerate(zip(discover_layers(model), modes, swaps)))
     notes = (f"planned by hyperac plan for {args.device}", *predictions.pop("notes"))
-    plan_ = Plan(backend=args.device, adapter="none", layers=layers, notes=notes, **predictions)
+    plan_ = Plan(backend=args.device, adapter="none", layers=layers, notes=notes, buckets=buckets, **predictions)
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(plan_.to_dict(), handle, indent=1)
@@ -236,19 +237,26 @@ def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[s
 
 def plan(args: argparse.Namespace) -> int:
     """Estimate a model on the meta device and print (and with ``--output`` write) the plan that fits the budget."""
+    from .plan import mode_letters
     from .planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
+    from .planner.auto import resolve_choice
+    from .planner.lengths import bucket_bounds, length_buckets
 
     host_budget = _host_budget_bytes(args)
     model, sample_at, described = _model_and_samples(args)
     print(f"estimating {described}, on the meta device, costed on {args.device}...", file=sys.stderr, flush=True)
-    estimate = _estimate(args, model, sample_at)
+    estimates = _estimates(args, model, sample_at)
+    estimate = estimates[-1]
     count = len(estimate.layers)
     off = estimate.peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)
     options = ESTIMATE_MODES if host_budget is None else ESTIMATE_MODES + SWAP_OPTIONS
     modes = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
+    buckets = () if args.max_seq_len is None else length_buckets(
+        bucket_bounds(args.max_seq_len, args.length_buckets), estimates, modes, resolve_choice(
+            estimate, modes, budget_bytes)[0], budget_bytes)
     if args.output is not None:
-        _write_plan(args.output, model, estimate, modes, budget_bytes, args)
+        _write_plan(args.output, model, estimate, modes, budget_bytes, args, buckets)
     print(estimate)
     length = "" if args.max_seq_len is None else (
         f", for batches up to sequence length {args.max_seq_len} (costs fitted from lengths {max(args.seq // 2, 1)} "
@@ -260,6 +268,9 @@ def plan(args: argparse.Namespace) -> int:
           f"{estimate.step_seconds(modes) * 1e3:.1f} ms on {args.device} (no recompute: "
           f"{estimate.step_seconds(['off'] * count) * 1e3:.1f} ms), {estimate.total_recompute_flops(modes) / 1e12:.2f}"
           f" TFLOP replayed ({100 * estimate.total_recompute_flops(modes) / estimate.base_flops:.1f}% of the step)")
+    for bucket in buckets:
+        print(f"  batches up to {bucket.max_len}: {mode_letters(bucket.modes)}, peak "
+              f"{bucket.predicted_peak_bytes / 2**30:.2f} GiB, step {bucket.predicted_step_seconds * 1e3:.1f} ms")
     if args.output is not None:
         print(f"wrote the plan to {args.output}: hyperac.apply(model, plan=json.load(open({args.output!r})))")
     return 0
@@ -391,7 +402,11 @@ def _parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--max-seq-len", type=_positive_int, metavar="L",
                              help="plan for batches up to this sequence length, as max_seq_len= in the API: the step "
                                   "is estimated at --seq and half of it and the costs fitted to L (the ids are "
-                                  "(batch, seq): the sequence dimension is 1)")
+                                  "(batch, seq): the sequence dimension is 1); with --output the plan holds one "
+                                  "plan per length bucket, as apply makes")
+    plan_parser.add_argument("--length-buckets", type=_positive_int, default=4, metavar="N",
+                             help="with --max-seq-len: how many length buckets get a plan each (bounds evenly spaced "
+                                  "up to L), as length_buckets= in the API")
     plan_parser.add_argument("--batch", type=_positive_int, default=1, help="batch size")
     plan_parser.add_argument("--budget", required=True, type=_budget,
                              help="peak activation memory: bytes, a size like 24GiB, or a fraction like 0.5 of the "

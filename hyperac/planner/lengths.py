@@ -31,8 +31,8 @@ most. A batch just past a bound runs a plan made for up to L/4 more positions, s
 than it needs: finer buckets waste less, but each adds an override variant per layer, a row in the
 plan and, on the bucket boundaries, a step whose time jumps; four keep a batch of at least half of
 ``L`` within 1.5x of its own length's plan. Below ``L`` a bucket is planned among the recompute
-modes only (swap is chosen at ``L`` alone), and takes the plan for ``L`` where that is predicted as
-fast or faster, or where no recompute-only plan fits.
+modes only (swap is chosen at ``L`` alone), and takes the plan for ``L`` where that is predicted
+faster (a swap that hides its copies behind compute), or where no recompute-only plan fits.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def length_buckets(bounds: list[int], estimates: list[Estimate], default: list[s
                    budget_bytes: int) -> tuple[LengthBucket, ...]:
     """One :class:`LengthBucket` per bound: the fastest recompute-only plan within ``budget_bytes``
     at the bound, or the plan for the last bound (``default``, solver options; ``default_modes``,
-    as applied) where that is as fast or no recompute-only plan fits (NOTE [Bucket bounds])."""
+    as applied) where that is predicted faster or no recompute-only plan fits (NOTE [Bucket bounds])."""
     buckets = []
     for bound, estimate in zip(bounds, estimates):
         chosen, modes = default, default_modes
@@ -118,7 +118,7 @@ def length_buckets(bounds: list[int], estimates: list[Estimate], default: list[s
                 shorter = choose_modes(estimate, budget_bytes, ESTIMATE_MODES)
             except ConfigError:  # only swap fits: the default's
                 shorter = default
-            if estimate.step_seconds(shorter) < estimate.step_seconds(default):
+            if estimate.step_seconds(shorter) <= estimate.step_seconds(default):
                 chosen, modes = shorter, shorter
         buckets.append(LengthBucket(
             bound, tuple(modes), estimate.peak_bytes(chosen), estimate.step_seconds(chosen),

@@ -1,0 +1,274 @@
+"""Plans per length bucket, switched at each training forward (NOTE [Plans per length bucket] in
+hyperac/length_switch.py, NOTE [Bucket bounds] in hyperac/planner/lengths.py).
+
+One 4-layer Llama planned for 64 tokens from a 16-token sample at half of the no-recompute peak
+at 64: its buckets (16, 32, 48, 64) differ in how many layers recompute, so the FLOPs of a step
+tell which bucket ran it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from hyperac_testing import hook_count, tiny_llama
+from torch.utils.flop_counter import FlopCounterMode
+
+import hyperac
+from hyperac.backends.sim import SimBackend
+from hyperac.measure import PeakMeter
+from hyperac.plan import mode_letters
+from hyperac.planner.lengths import bucket_bounds
+from hyperac.state import STATE_KEY
+
+L = 64
+LONGER = 80
+BUDGET = 0.5
+
+
+def ids_of(length, seed=0):
+    return torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+def loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def peak(model, ids):
+    with PeakMeter(model.parameters()) as meter:
+        out = model(input_ids=ids, labels=ids)
+        meter.release(out)
+        out.loss.backward()
+    model.zero_grad(set_to_none=True)
+    return meter.peak_bytes
+
+
+def step_flops(model, *batches):
+    """FLOPs of the forwards of ``batches`` and one backward of their summed loss."""
+    with FlopCounterMode(display=False) as counter:
+        sum(loss(model, ids) for ids in batches).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def grads_after(model, *batches):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    total = sum(loss(model, ids) for ids in batches)
+    total.backward()
+    return total.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def base():
+    # No KV cache in training: an applied model drops it (NOTE [KV caches in replays]), so peaks compare.
+    return tiny_llama(num_layers=4, use_cache=False)
+
+
+@pytest.fixture(scope="module")
+def off_peak(base):
+    return peak(copy.deepcopy(base), ids_of(L))
+
+
+@pytest.fixture(scope="module")
+def applied(base, off_peak):
+    model = copy.deepcopy(base)
+    sample = {"input_ids": ids_of(L)[:, :16], "labels": ids_of(L)[:, :16]}
+    plan = hyperac.apply(model, mode="auto", budget=int(BUDGET * off_peak), sample=sample, max_seq_len=L,
+                         backend="cpu")
+    return model, plan
+
+
+@pytest.fixture(scope="module")
+def layer_flops(base):
+    """The FLOPs one layer's forward replays under full recompute, per sequence length."""
+    full = copy.deepcopy(base)
+    hyperac.apply(full, mode="full")
+    return {n: (step_flops(full, ids_of(n)) - step_flops(base, ids_of(n))) // 4 for n in (16, 30, 32, 48, L, LONGER)}
+
+
+def bucket_lines(plan):
+    return [line for line in str(plan).splitlines() if line.startswith(("  up to", "  longer than"))]
+
+
+def replayed(model, base, *batches):
+    return step_flops(model, *batches) - step_flops(base, *batches)
+
+
+def test_buckets_are_planned_from_one_profile_and_shown(applied):
+    model, plan = applied
+    assert [b.max_len for b in plan.buckets] == bucket_bounds(L, 4) == [16, 32, 48, 64]
+    assert plan.buckets[-1].modes == tuple(layer.mode for layer in plan.layers)
+    assert plan.buckets[-1].predicted_peak_bytes == plan.predicted_peak_bytes
+    recomputed = [sum(mode != "off" for mode in b.modes) for b in plan.buckets]
+    assert recomputed == sorted(recomputed) and recomputed[0] < recomputed[-1], plan
+    seconds = [b.predicted_step_seconds / b.max_len for b in plan.buckets]
+    assert seconds[0] < seconds[-1], "the short bucket's plan is no faster per token than the default"
+    assert all(b.predicted_peak_bytes <= plan.budget_bytes for b in plan.buckets)
+    assert hyperac.applied_plan(model) is plan
+    text = str(plan)
+    for bucket in plan.buckets:
+        letters, mib = mode_letters(bucket.modes), bucket.predicted_peak_bytes / 2**20
+        assert f"up to {bucket.max_len}: {letters}  peak {mib:.2f} MiB" in text, text
+    assert text.count("(default)") == 1 and f"up to {L}: {mode_letters(plan.buckets[-1].modes)}" in text
+    assert f"longer than {L}: FFFF (full on every layer), after a warning" in text
+
+
+def test_each_length_runs_its_buckets_plan(applied, base, layer_flops):
+    """Recompute FLOPs per step are those of the bucket holding its length: a full layer replays its
+    forward once; the selective family would replay less, and off nothing."""
+    model, plan = applied
+    assert all(set(b.modes) <= {"off", "full"} for b in plan.buckets), plan  # FLOPs count full layers exactly
+    by_length = {16: plan.buckets[0], 30: plan.buckets[1], 32: plan.buckets[1], 48: plan.buckets[2], L: plan.buckets[3]}
+    for n, bucket in by_length.items():
+        assert replayed(model, base, ids_of(n)) == bucket.modes.count("full") * layer_flops[n], n
+    with pytest.warns(hyperac.HyperACWarning, match=rf"shape \[2, {LONGER}\] has {LONGER} positions in dimension 1, "
+                      rf"more than the max_seq_len={L} the plan was made for, so it runs full recompute on every "
+                      rf"layer \(the most memory-saving plan\)"):
+        assert replayed(model, base, ids_of(LONGER)) == 4 * layer_flops[LONGER]
+
+
+def test_each_replay_uses_its_forwards_mode_across_buckets(applied, base, layer_flops):
+    """Two micro-batches of different buckets, then one backward, in both orders: each layer replays
+    as its forward ran, and gradients are bitwise those of the un-applied model."""
+    model, plan = applied
+    short, long = ids_of(16, seed=3), ids_of(L, seed=4)
+    expected = sum(plan.buckets[k].modes.count("full") * layer_flops[n] for k, n in ((0, 16), (3, L)))
+    assert replayed(model, base, short, long) == expected
+    assert replayed(model, base, long, short) == expected
+    for batches in ((short, long), (long, short), (ids_of(48, seed=5),), (ids_of(30, seed=6), ids_of(30, seed=7))):
+        reference = grads_after(base, *batches)
+        got = grads_after(model, *batches)
+        torch.testing.assert_close(got[0], reference[0], rtol=0, atol=0)
+        assert got[1].keys() == reference[1].keys()
+        for name, grad in reference[1].items():
+            torch.testing.assert_close(got[1][name], grad, rtol=0, atol=0, msg=name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hyperac.HyperACWarning)  # the longer batch warns (tested above)
+        reference, got = grads_after(base, ids_of(LONGER, seed=8), short), grads_after(model, ids_of(LONGER, seed=8),
+                                                                                        short)
+    assert all(torch.equal(got[1][name], grad) for name, grad in reference[1].items())
+
+
+def test_peaks_per_length_fit_the_budget_as_predicted(applied):
+    model, plan = applied
+    for bucket in plan.buckets:
+        measured = peak(model, ids_of(L)[:, :bucket.max_len])
+        assert measured <= 1.03 * plan.budget_bytes, (bucket, measured)
+        assert bucket.predicted_peak_bytes == pytest.approx(measured, rel=0.05), bucket
+
+
+def test_eval_and_no_grad_forwards_switch_nothing(applied):
+    model, plan = applied
+    state = model.__dict__[STATE_KEY]
+    loss(model, ids_of(16)).backward()
+    model.zero_grad(set_to_none=True)
+    assert state.bucket == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for a longer batch outside training
+        with torch.no_grad():
+            loss(model, ids_of(LONGER))
+        model.eval()
+        try:
+            loss(model, ids_of(LONGER))
+        finally:
+            model.train()
+    assert state.bucket == 0
+
+
+def test_a_plan_round_trips_through_json_with_its_buckets(applied, base, layer_flops):
+    model, plan = applied
+    written = json.loads(json.dumps(plan.to_dict()))
+    again = copy.deepcopy(base)
+    reapplied = hyperac.apply(again, plan=written)
+    assert reapplied.buckets == plan.buckets and reapplied.max_seq_len == L
+    assert bucket_lines(reapplied) == bucket_lines(plan) and len(bucket_lines(plan)) == 5
+    assert replayed(again, base, ids_of(16)) == plan.buckets[0].modes.count("full") * layer_flops[16]
+    assert replayed(again, base, ids_of(L)) == plan.buckets[3].modes.count("full") * layer_flops[L]
+    with pytest.raises(hyperac.ConfigError, match=r"Config.plan\['buckets'\]\[0\]\['modes'\] is \['off'\]; give one "
+                                                  r"mode per layer \(4\)"):
+        hyperac.apply(copy.deepcopy(base), plan={**written, "buckets": [{"max_len": 16, "modes": ["off"]}]})
+    with pytest.raises(hyperac.ConfigError, match="length buckets .* not supported with compile=True"):
+        hyperac.apply(copy.deepcopy(base), plan=written, compile=True)
+
+
+def test_hyperac_plan_output_applies_with_its_buckets(tmp_path, capsys):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from hyperac import cli
+
+    settings = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **settings}))
+    path = tmp_path / "plan.json"
+    assert cli.main(["plan", "--config", str(tmp_path / "config.json"), "--seq", "32", "--max-seq-len", "128",
+                     "--budget", "0.6", "--device", "cpu", "--output", str(path)]) == 0
+    out = capsys.readouterr().out
+    written = json.loads(path.read_text())
+    assert [b["max_len"] for b in written["buckets"]] == [32, 64, 96, 128]
+    for bucket in written["buckets"]:
+        assert f"  batches up to {bucket['max_len']}: {mode_letters(bucket['modes'])}, peak" in out
+    model = LlamaForCausalLM(AutoConfig.for_model("llama", **settings))
+    plan = hyperac.apply(model, plan=written)
+    assert [b.max_len for b in plan.buckets] == [32, 64, 96, 128]
+    assert plan.buckets[-1].modes == tuple(layer.mode for layer in plan.layers)
+
+
+def test_remove_leaves_no_switch_behind(base, off_peak):
+    model = copy.deepcopy(base)
+    before = {name: dict(vars(module)) for name, module in model.named_modules()}
+    hyperac.apply(model, mode="auto", budget=int(BUDGET * off_peak), sample={"input_ids": ids_of(16), "labels":
+                  ids_of(16)}, max_seq_len=L, backend="cpu", length_buckets=2)
+    assert hook_count(model) > 0 and any("forward" in vars(m) for m in model.modules())
+    hyperac.remove(model)
+    assert hook_count(model) == 0
+    after = {name: dict(vars(module)) for name, module in model.named_modules()}
+    assert after.keys() == before.keys()
+    for name, attributes in before.items():
+        assert after[name].keys() == attributes.keys(), name
+
+
+def test_one_bucket_runs_the_plan_for_max_seq_len_on_every_shorter_batch(base, off_peak, layer_flops):
+    model = copy.deepcopy(base)
+    plan = hyperac.apply(model, mode="auto", budget=int(BUDGET * off_peak), sample={"input_ids": ids_of(16),
+                         "labels": ids_of(16)}, max_seq_len=L, backend="cpu", length_buckets=1)
+    assert [b.max_len for b in plan.buckets] == [L]
+    assert replayed(model, base, ids_of(16)) == plan.buckets[0].modes.count("full") * layer_flops[16]
+    with pytest.raises(hyperac.ConfigError, match=r"Config.length_buckets must be an int >= 1, got 0"):
+        hyperac.Config(mode="auto", budget=0.5, sample={"input_ids": ids_of(16)}, max_seq_len=L, length_buckets=0)
+
+
+def test_bucket_bounds_are_evenly_spaced_up_to_max_seq_len():
+    assert bucket_bounds(4096, 4) == [1024, 2048, 3072, 4096]
+    assert bucket_bounds(10, 4) == [3, 5, 8, 10]
+    assert bucket_bounds(2, 4) == [1, 2]
+
+
+def test_swap_is_chosen_for_max_seq_len_only(base):
+    """On ``sim`` with a fast link, the plan for 128 tokens swaps; shorter buckets that fit without
+    swap recompute only and move nothing to host memory; a longer batch swaps as the default does."""
+    model = copy.deepcopy(base)
+    ids = ids_of(128)
+    backend = SimBackend(1e12, 50e-6)
+    plan = hyperac.apply(model, mode="auto", budget=0.6, sample={"input_ids": ids[:, :32], "labels": ids[:, :32]},
+                         max_seq_len=128, backend=backend, min_swap_bytes=0)
+    assert any(layer.swap for layer in plan.layers), plan
+    default = plan.buckets[-1].modes
+    own = [b for b in plan.buckets if b.modes != default]
+    assert own and all("swap" not in b.modes for b in own), plan
+    short = own[0].max_len
+
+    def moved(n):
+        before = hyperac.swap_stats(model).offloaded_bytes
+        reference = grads_after(base, ids_of(n))
+        got = grads_after(model, ids_of(n))
+        assert all(torch.equal(got[1][name], grad) for name, grad in reference[1].items())
+        return hyperac.swap_stats(model).offloaded_bytes - before
+
+    assert moved(short) == 0
+    assert moved(128) > 0
+    with pytest.warns(hyperac.HyperACWarning, match="runs full recompute on every layer"):
+        assert moved(160) > 0
