@@ -32,8 +32,11 @@ configuration whose measured peak fits the budget, and PASS/FAIL for:
   measured at another moment than this loop.
 
 ``max_seq_len``: auto planned for the geometry's sequence length ``L`` from a sample of ``L/4``
-tokens (``max_seq_len=L``, budget 0.5): measured peak at 0.25L, 0.5L, 0.75L and L <= budget x
-1.03, and the predicted peak at L within 5% of the measured one.
+tokens (``max_seq_len=L``, budget 0.5), a plan per length bucket (L/4, L/2, 3L/4, L): measured
+peak at 0.25L, 0.5L, 0.75L and L <= budget x 1.03, the predicted peak of each length's bucket
+within 5% of the measured one, and "short steps are faster": the steps at 0.25L, 0.5L and 0.75L
+with the bucketed plan against the same steps with the plan for ``L`` alone, interleaved, median
+of per-round ratios <= 1.00x (``--lengths`` runs only these).
 
 ``plan cost``: the seconds of ``hyperac.estimate`` (the profile ``apply(mode="auto")`` runs) over
 the median of the ``off`` steps just before and after it, median over three rounds, PASS at most
@@ -49,7 +52,7 @@ same budgets with ``torch.compile`` (inductor and aot_eager) on the demo geometr
 runs its kernels below the dispatcher, so its memory is reported as the bytes saved for backward
 (``saved_tensors_hooks``), not as a peak.
 
-    OMP_NUM_THREADS=1 python benchmarks/planner_targets.py [--rounds N] [--only demo|large] [--compiled]
+    OMP_NUM_THREADS=1 python benchmarks/planner_targets.py [--rounds N] [--only demo|large] [--compiled] [--lengths]
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import os
 import platform
 import random
@@ -116,6 +120,12 @@ def step(model: nn.Module, ids: torch.Tensor) -> float:
     start = time.perf_counter()
     model(input_ids=ids, labels=ids).loss.backward()
     return time.perf_counter() - start
+
+
+def warm_step(model: nn.Module, ids: torch.Tensor) -> float:
+    """An untimed step, then the timed one, which runs with warm caches."""
+    step(model, ids)
+    return step(model, ids)
 
 
 def peak(model: nn.Module, ids: torch.Tensor) -> int:
@@ -198,7 +208,7 @@ def run_geometry(name: str, geometry: dict[str, int], rounds: int) -> tuple[list
     for _ in range(rounds + 1):  # the first round warms up and is dropped
         random.shuffle(order)
         for label in order:  # an untimed step first: the timed one runs with warm caches
-            times[label].append(configured(base, configs[label], lambda m: (step(m, ids), step(m, ids))[1]))
+            times[label].append(configured(base, configs[label], functools.partial(warm_step, ids=ids)))
     times = {label: values[1:] for label, values in times.items()}
     median = {label: statistics.median(values) for label, values in times.items()}
     to_off = {label: statistics.median(a / b for a, b in zip(values, times["hyperac off"]))
@@ -274,9 +284,11 @@ def plan_cost(name: str, geometry: dict[str, int], rounds: int = 3) -> tuple[str
             f"rounds {', '.join(f'{r:.1f}' for r in ratios)}) {'PASS' if ok else 'FAIL'}"), ok
 
 
-def length_targets(name: str, geometry: dict[str, int], budget: float = 0.5) -> tuple[list[str], bool]:
-    """``max_seq_len=L`` (the geometry's seq), planned from a sample of ``L/4`` tokens: measured peak
-    at 0.25L, 0.5L, 0.75L and L <= budget x 1.03, and the predicted peak at L within 5% of measured."""
+def length_targets(name: str, geometry: dict[str, int], rounds: int, budget: float = 0.5) -> tuple[list[str], bool]:
+    """``max_seq_len=L`` (the geometry's seq), planned from a sample of ``L/4`` tokens, with a plan per
+    length bucket (L/4, L/2, 3L/4, L): measured peak at 0.25L, 0.5L, 0.75L and L <= budget x 1.03, the
+    predicted peak of each length's bucket within 5% of measured, and the short steps faster than
+    with the plan for ``L`` (:func:`short_steps`)."""
     model = build(geometry)
     length = geometry["seq"]
     ids = torch.randint(0, 512, (geometry["batch"], length), generator=torch.Generator().manual_seed(1))
@@ -286,19 +298,45 @@ def length_targets(name: str, geometry: dict[str, int], budget: float = 0.5) -> 
                          sample={"input_ids": short, "labels": short})
     limit = plan.budget_bytes
     lines, ok = [f"max_seq_len ({name}): plan {mode_letters([layer.mode for layer in plan.layers])} for {length} "
-                 f"tokens from a sample of {length // 4}, budget {budget} of the no-recompute peak at {length}"], True
-    for share in (0.25, 0.5, 0.75, 1.0):
-        n = int(share * length)
-        measured = peak(model, ids[:, :n])
+                 f"tokens from a sample of {length // 4}, budget {budget} of the no-recompute peak at {length}; "
+                 f"buckets {', '.join(f'{b.max_len}: {mode_letters(b.modes)}' for b in plan.buckets)}"], True
+    for bucket in plan.buckets:
+        measured = peak(model, ids[:, :bucket.max_len])
         fits = measured <= 1.03 * limit
-        ok &= fits
-        lines.append(f"  {n} tokens: peak {measured / limit:.3f}x budget {'PASS' if fits else 'FAIL'}")
-        if share == 1.0:
-            close = abs(plan.predicted_peak_bytes - measured) <= 0.05 * measured
-            ok &= close
-            lines.append(f"  predicted peak at {n}: {plan.predicted_peak_bytes / measured:.3f}x measured "
-                         f"{'PASS' if close else 'FAIL'}")
+        close = abs(bucket.predicted_peak_bytes - measured) <= 0.05 * measured
+        ok &= fits and close
+        lines.append(f"  {bucket.max_len} tokens: peak {measured / limit:.3f}x budget {'PASS' if fits else 'FAIL'}, "
+                     f"predicted {bucket.predicted_peak_bytes / measured:.3f}x measured {'PASS' if close else 'FAIL'}")
     hyperac.remove(model)
+    speed_lines, faster = short_steps(model, ids, plan, rounds)
+    return lines + speed_lines, ok and faster
+
+
+def short_steps(model: nn.Module, ids: torch.Tensor, plan: hyperac.Plan, rounds: int) -> tuple[list[str], bool]:
+    """Issue 18's "short steps are faster": steps at each shorter bucket's bound with the bucketed plan
+    against the same steps with the plan for ``L`` alone (the same plan, its buckets cut to the last),
+    in interleaved rounds (the order alternating), each timed step after an untimed one; median of
+    per-round ratios, PASS at <= 1.00x. A bucket whose plan is the one for ``L`` runs identical work:
+    reported, not judged."""
+    bucketed = plan.to_dict()
+    setups = {"buckets": hyperac_setup(plan=bucketed),
+              "L plan": hyperac_setup(plan={**bucketed, "buckets": bucketed["buckets"][-1:]})}
+    lines, ok = [], True
+    for bucket in plan.buckets[:-1]:
+        batch = ids[:, :bucket.max_len]
+        ratios = []
+        for r in range(rounds):
+            seconds = {}
+            for label in (list(setups) if r % 2 == 0 else list(setups)[::-1]):
+                seconds[label] = configured(model, setups[label], functools.partial(warm_step, ids=batch))
+            ratios.append(seconds["buckets"] / seconds["L plan"])
+        ratio = statistics.median(ratios)
+        same = bucket.modes == plan.buckets[-1].modes
+        verdict = "same plan as L (identical work)" if same else ("PASS" if ratio <= 1.0 else "FAIL")
+        ok &= same or ratio <= 1.0
+        lines.append(f"  {bucket.max_len} tokens: bucket {mode_letters(bucket.modes)} vs L plan "
+                     f"{mode_letters(plan.buckets[-1].modes)}: step {ratio:.3f}x (median of {rounds} interleaved "
+                     f"rounds; target <= 1.00) {verdict}")
     return lines, ok
 
 
@@ -354,6 +392,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds (default: 11 demo, 4 large)")
     parser.add_argument("--only", choices=tuple(GEOMETRIES))
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--lengths", action="store_true", help="only the max_seq_len targets")
     args = parser.parse_args()
     torch.set_num_threads(1)
     random.seed(0)
@@ -364,9 +403,14 @@ def main() -> int:
     for name, geometry in GEOMETRIES.items():
         if args.only and name != args.only:
             continue
+        if args.lengths:
+            length_lines, fits = length_targets(name, geometry, rounds=args.rounds or geometry["rounds"])
+            ok &= fits
+            print("\n".join(length_lines) + "\n", flush=True)
+            continue
         lines, passed = run_geometry(name, geometry, args.rounds or geometry["rounds"])
         cost_line, cheap = plan_cost(name, geometry)
-        length_lines, fits = length_targets(name, geometry)
+        length_lines, fits = length_targets(name, geometry, rounds=args.rounds or geometry["rounds"])
         ok &= passed and cheap and fits
         print("\n".join([*lines, "", cost_line, *length_lines]) + "\n", flush=True)
     if args.compiled:
