@@ -188,6 +188,11 @@ def test_a_plan_round_trips_through_json_with_its_buckets(applied, base, layer_f
     assert bucket_lines(reapplied) == bucket_lines(plan) and len(bucket_lines(plan)) == 5
     assert replayed(again, base, ids_of(16)) == plan.buckets[0].modes.count("full") * layer_flops[16]
     assert replayed(again, base, ids_of(L)) == plan.buckets[3].modes.count("full") * layer_flops[L]
+    hyperac.remove(again)
+    hyperac.apply(again, plan=written, seq_dim=2)  # no tensor argument has a dimension 2: the length is unknown
+    with pytest.warns(hyperac.HyperACWarning, match=r"tensor arguments of shapes \[\[2, 16\], \[2, 16\]\] has none "
+                      r"with a dimension 2 to read its sequence length from, so it runs full recompute on every layer"):
+        assert replayed(again, base, ids_of(16)) == 4 * layer_flops[16]
     with pytest.raises(hyperac.ConfigError, match=r"Config.plan\['buckets'\]\[0\]\['modes'\] is \['off'\]; give one "
                                                   r"mode per layer \(4\)"):
         hyperac.apply(copy.deepcopy(base), plan={**written, "buckets": [{"max_len": 16, "modes": ["off"]}]})
@@ -229,6 +234,18 @@ def test_remove_leaves_no_switch_behind(base, off_peak):
     assert after.keys() == before.keys()
     for name, attributes in before.items():
         assert after[name].keys() == attributes.keys(), name
+
+
+def test_a_copy_switches_by_its_own_state(applied, base, layer_flops):
+    model, plan = applied
+    twin = copy.deepcopy(model)
+    state, twin_state = model.__dict__[STATE_KEY], twin.__dict__[STATE_KEY]
+    loss(model, ids_of(L)).backward()
+    model.zero_grad(set_to_none=True)
+    assert replayed(twin, base, ids_of(16)) == plan.buckets[0].modes.count("full") * layer_flops[16]
+    assert twin_state.bucket == 0 and state.bucket == len(plan.buckets) - 1
+    hyperac.remove(twin)
+    assert hook_count(twin) == 0 and hyperac.applied_plan(model) is plan
 
 
 def test_one_bucket_runs_the_plan_for_max_seq_len_on_every_shorter_batch(base, off_peak, layer_flops):
