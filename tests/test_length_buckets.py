@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import hyperac
 from hyperac.backends.sim import SimBackend
-from hyperac.measure import PeakMeter
+from hyperac.measure import step_peak
 from hyperac.plan import mode_letters
 from hyperac.planner.lengths import bucket_bounds
 from hyperac.state import STATE_KEY
@@ -38,12 +38,7 @@ def loss(model, ids):
 
 
 def peak(model, ids):
-    with PeakMeter(model.parameters()) as meter:
-        out = model(input_ids=ids, labels=ids)
-        meter.release(out)
-        out.loss.backward()
-    model.zero_grad(set_to_none=True)
-    return meter.peak_bytes
+    return step_peak(model, {"input_ids": ids, "labels": ids})
 
 
 def step_flops(model, *batches):
