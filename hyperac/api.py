@@ -254,7 +254,8 @@ def apply(
         if any(layer.swap for layer in config.plan.layers):  # the layers that offloaded offload again
             modes, planned_swaps = plan_swaps(modes, [layer.swap for layer in config.plan.layers])
         if config.plan.buckets:  # switched by length again (NOTE [Plans per length bucket])
-            prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets}
+            prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets,
+                          "batch_shape": config.plan.batch_shape}
     elif config.mode == "auto" and config.compile:  # plan for compiled layers (planner/compiled.py)
         modes, planned_swaps, prediction = compiled_auto_modes(
             model, found, config.budget, config.sample,
@@ -318,8 +319,8 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
                                                separate_stream=chosen_backend.device_type != "cpu")
         if buckets:  # NOTE [Plans per length bucket] in length_switch.py
             install_switched(named_modules, state, len(variants), install_variant)
-            install_hook(model, LengthSwitch(state, tuple(b.max_len for b in buckets), config.seq_dim), pre=True,
-                         with_kwargs=True)
+            switch = LengthSwitch(state, tuple(b.max_len for b in buckets), config.seq_dim, result.batch_shape)
+            install_hook(model, switch, pre=True, with_kwargs=True)
         else:
             install_variant(0)
         if any(layer.recomputed for layer in layer_plans) or buckets:

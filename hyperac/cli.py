@@ -227,7 +227,9 @@ def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[s
                              swap and i != last_swap, layer.found_by)
                    for i, (layer, mode, swap) in enumerate(zip(discover_layers(model), modes, swaps)))
     notes = (f"planned by hyperac plan for {args.device}", *predictions.pop("notes"))
-    plan_ = Plan(backend=args.device, adapter="none", layers=layers, notes=notes, buckets=buckets, **predictions)
+    shape = None if args.max_seq_len is None else (args.batch, args.max_seq_len)
+    plan_ = Plan(backend=args.device, adapter="none", layers=layers, notes=notes, buckets=buckets, batch_shape=shape,
+                 **predictions)
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(plan_.to_dict(), handle, indent=1)

@@ -19,7 +19,8 @@ the bucket changes before its backward (accumulation of micro-batches of differe
 interleaved pipeline stages): the mode's override builds the replay's contexts at the layer's
 forward (``torch.utils.checkpoint`` keeps them with the saved tensors), and nothing reads the bucket
 after that. Evaluation and ``no_grad`` forwards switch nothing (each override then runs the
-module's own forward). A training batch longer than ``max_seq_len``, or one whose length cannot be
+module's own forward). A training batch longer than ``max_seq_len``, one larger than the sample in
+another dimension (the fit models the length only: a bigger batch), or one whose length cannot be
 read, warns once per shape and runs the most memory-saving plan: ``full`` on every layer, swapping
 where the default plan swaps; never the default plan over its budget, silently.
 """
@@ -44,36 +45,43 @@ class LengthSwitch(Installed):
     bucket that holds its batch (``bounds``: the buckets' upper bounds, ascending), or past the last
     one ``full`` on every layer, with a warning once per shape (NOTE [Plans per length bucket])."""
 
-    def __init__(self, owner: AppliedState, bounds: tuple[int, ...], seq_dim: int) -> None:
+    def __init__(self, owner: AppliedState, bounds: tuple[int, ...], seq_dim: int,
+                 batch_shape: tuple[int, ...] | None) -> None:
         self.owner, self.fqn = owner, ""
-        self.bounds, self.seq_dim = bounds, seq_dim
+        self.bounds, self.seq_dim, self.batch_shape = bounds, seq_dim, batch_shape
 
     def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
-        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > self.seq_dim),
-                     None)
-        longest = len(self.bounds)
-        if first is None:
-            shapes = [list(v.shape) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-            warn_once(
-                f"hyperac: a training batch with tensor arguments of shapes {shapes} has none with a dimension "
-                f"{self.seq_dim} to read its sequence length from, so it runs full recompute on every layer (the "
-                "most memory-saving plan); name the sequence dimension with seq_dim= in apply.",
-                self.owner.warned, stacklevel=4,
-            )
-            self.owner.bucket = longest
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        first = next((v for v in tensors if v.dim() > self.seq_dim), None)
+        outside = self._outside(first, tensors)
+        if outside is None:
+            self.owner.bucket = bisect.bisect_left(self.bounds, first.shape[self.seq_dim])
             return
-        length = first.shape[self.seq_dim]
-        self.owner.bucket = bisect.bisect_left(self.bounds, length)
-        if self.owner.bucket == longest:
-            warn_once(
-                f"hyperac: a training batch of shape {list(first.shape)} has {length} positions in dimension "
-                f"{self.seq_dim}, more than the max_seq_len={self.bounds[-1]} the plan was made for, so it runs "
-                "full recompute on every layer (the most memory-saving plan), which may still exceed the budget; "
-                f"apply mode='auto' again with max_seq_len={length} or more.",
-                self.owner.warned, stacklevel=4,
-            )
+        self.owner.bucket = len(self.bounds)
+        what, fix = outside
+        warn_once(f"hyperac: a training batch {what}, so it runs full recompute on every layer (the most memory-saving "
+                  f"plan), which may still exceed the budget; {fix}", self.owner.warned, stacklevel=4)
+
+    def _outside(self, first: torch.Tensor | None, tensors: list[torch.Tensor]) -> tuple[str, str] | None:
+        """What puts the batch outside the plans, and the fix; ``None`` if a bucket holds it."""
+        dim, longest = self.seq_dim, self.bounds[-1]
+        if first is None:
+            return (f"with tensor arguments of shapes {[list(t.shape) for t in tensors]} has none with a dimension "
+                    f"{dim} to read its sequence length from", "name the sequence dimension with seq_dim= in apply.")
+        length = first.shape[dim]
+        if length > longest:
+            return (f"of shape {list(first.shape)} has {length} positions in dimension {dim}, more than the "
+                    f"max_seq_len={longest} the plan was made for",
+                    f"apply mode='auto' again with max_seq_len={length} or more.")
+        shape = self.batch_shape
+        if shape is not None and first.dim() == len(shape) and any(
+                n > limit for i, (n, limit) in enumerate(zip(first.shape, shape)) if i != dim):
+            return (f"of shape {list(first.shape)} is larger than the shape {list(shape)} the plans were made for in a "
+                    f"dimension other than {dim}, which the costs fitted to the length do not model",
+                    "apply mode='auto' again with a sample of that shape.")
+        return None
 
 
 class SwitchedForward(Override):

@@ -94,6 +94,10 @@ class Plan:
     max_seq_len: int | None = None
     """``mode="auto"`` with ``max_seq_len=``: the sequence length the predictions are for (every
     shorter batch keeps less)."""
+    batch_shape: tuple[int, ...] | None = None
+    """``mode="auto"`` with ``max_seq_len=``: the shape of the sample's first tensor with
+    ``max_seq_len`` positions: the fit models the length only, so a training batch larger in
+    another dimension (a bigger batch) runs ``full`` on every layer, as a longer one does."""
     buckets: tuple[LengthBucket, ...] = ()
     """``mode="auto"`` with ``max_seq_len=``: the plan per length bucket, shortest first; the last
     (up to ``max_seq_len``) is the plan's own layers, the default. Each training forward runs the
@@ -117,8 +121,10 @@ class Plan:
         fields = {k: data[k] for k in _PREDICTIONS if k in data}
         buckets = tuple(_bucket_from_dict(position, bucket, len(layers), fields.get("max_seq_len"))
                         for position, bucket in enumerate(data.get("buckets", ())))
+        shape = data.get("batch_shape")
         return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
-                   notes=tuple(data.get("notes", ())), buckets=buckets, **fields)
+                   notes=tuple(data.get("notes", ())), buckets=buckets,
+                   batch_shape=None if shape is None else tuple(shape), **fields)
 
     def count(self, mode: str) -> int:
         return sum(1 for layer in self.layers if layer.mode == mode)
@@ -141,6 +147,7 @@ class Plan:
             "layers": [layer.to_dict() for layer in self.layers],
             "notes": list(self.notes),
             **{name: getattr(self, name) for name in _PREDICTIONS},
+            "batch_shape": None if self.batch_shape is None else list(self.batch_shape),
             "buckets": [bucket.to_dict() for bucket in self.buckets],
         }
 

@@ -128,6 +128,11 @@ def test_each_length_runs_its_buckets_plan(applied, base, plan_flops):
                       rf"more than the max_seq_len={L} the plan was made for, so it runs full recompute on every "
                       rf"layer \(the most memory-saving plan\)"):
         assert replayed(model, base, ids_of(LONGER)) == plan_flops(["full"] * 4, ids_of(LONGER))
+    wider = torch.randint(0, 128, (3, 32), generator=torch.Generator().manual_seed(2))
+    assert plan.batch_shape == (2, L)
+    with pytest.warns(hyperac.HyperACWarning, match=r"shape \[3, 32\] is larger than the shape \[2, 64\] the plans "
+                      r"were made for in a dimension other than 1, .* so it runs full recompute on every layer"):
+        assert replayed(model, base, wider) == plan_flops(["full"] * 4, wider)
 
 
 def test_each_replay_uses_its_forwards_mode_across_buckets(applied, base, plan_flops):
@@ -184,7 +189,7 @@ def test_a_plan_round_trips_through_json_with_its_buckets(applied, base, plan_fl
     written = json.loads(json.dumps(plan.to_dict()))
     again = copy.deepcopy(base)
     reapplied = hyperac.apply(again, plan=written)
-    assert reapplied.buckets == plan.buckets and reapplied.max_seq_len == L
+    assert reapplied.buckets == plan.buckets and reapplied.max_seq_len == L and reapplied.batch_shape == (2, L)
     assert bucket_lines(reapplied) == bucket_lines(plan) and len(bucket_lines(plan)) == 5
     assert replayed(again, base, ids_of(16)) == plan_flops(plan.buckets[0].modes, ids_of(16))
     assert replayed(again, base, ids_of(L)) == plan_flops(plan.buckets[3].modes, ids_of(L))
@@ -213,7 +218,7 @@ def test_hyperac_plan_output_applies_with_its_buckets(tmp_path, capsys):
                      "--budget", "0.6", "--device", "cpu", "--output", str(path)]) == 0
     out = capsys.readouterr().out
     written = json.loads(path.read_text())
-    assert [b["max_len"] for b in written["buckets"]] == [32, 64, 96, 128]
+    assert [b["max_len"] for b in written["buckets"]] == [32, 64, 96, 128] and written["batch_shape"] == [1, 128]
     for bucket in written["buckets"]:
         assert f"  batches up to {bucket['max_len']}: {mode_letters(bucket['modes'])}, peak" in out
     model = LlamaForCausalLM(AutoConfig.for_model("llama", **settings))

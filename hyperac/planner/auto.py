@@ -22,7 +22,7 @@ from .attention import fused_attention_on_meta
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, build_estimate, split_option
 from .devices import DEVICES, device_profile
 from .dispatch import describe, host_costs
-from .lengths import bucket_bounds, fitted_estimates, length_buckets, sequence_length, truncated
+from .lengths import batch_shape, bucket_bounds, fitted_estimates, length_buckets, sequence_length, truncated
 from .profile import profile_modes
 from .restore import side_effects_undone
 from .solver import choose_modes
@@ -131,6 +131,7 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
     modes, swaps, prediction = resolve_choice(estimate, chosen, budget_bytes, max_seq_len)
     if max_seq_len is not None:
         prediction["buckets"] = length_buckets(bounds, estimates, chosen, modes, budget_bytes)
+        prediction["batch_shape"] = batch_shape(sample, seq_dim, max_seq_len)
     return modes, swaps, prediction
 
 

@@ -49,7 +49,8 @@ from ..plan import LengthBucket
 from .cost import ESTIMATE_MODES, Estimate
 from .solver import choose_modes
 
-__all__ = ["at_length", "bucket_bounds", "fitted_estimates", "length_buckets", "sequence_length", "truncated"]
+__all__ = ["at_length", "batch_shape", "bucket_bounds", "fitted_estimates", "length_buckets", "sequence_length",
+           "truncated"]
 
 
 def sequence_length(sample: Any, dim: int) -> int:
@@ -66,6 +67,12 @@ def sequence_length(sample: Any, dim: int) -> int:
         f"max_seq_len= reads the sequence length from dimension {dim} of the sample's tensors, but no tensor in "
         f"sample= ({', '.join(sample)}) has {dim + 1} dimensions; name the sequence dimension with seq_dim=."
     )
+
+
+def batch_shape(sample: Mapping[str, Any], dim: int, length: int) -> tuple[int, ...]:
+    """The shape of the sample's first tensor with ``length`` positions in dimension ``dim``."""
+    first = next(v for v in sample.values() if isinstance(v, torch.Tensor) and v.dim() > dim)
+    return tuple(length if i == dim else n for i, n in enumerate(first.shape))
 
 
 def truncated(sample: Mapping[str, Any], dim: int, length: int) -> dict[str, Any]:
