@@ -272,7 +272,8 @@ class Config:
     bucket that holds its length. 1: the plan for ``max_seq_len`` on every batch up to it."""
 
     plan: Any = None
-    """A :class:`hyperac.Plan` (or its ``to_dict()``) to apply again: its per-layer modes. Swap of
+    """A :class:`hyperac.Plan` (or its ``to_dict()``) to apply again: its per-layer modes, and its
+    plans per length bucket where it has them (switched by length again, along ``seq_dim``). Swap of
     recomputed layers still follows ``swap_inputs``/``swap_selective_outputs`` (``swap`` layers swap)."""
 
     adapter: Any = None
