@@ -201,6 +201,8 @@ def test_a_plan_round_trips_through_json_with_its_buckets(applied, base, plan_fl
     with pytest.raises(hyperac.ConfigError, match=r"Config.plan\['buckets'\]\[0\]\['modes'\] is \['off'\]; give one "
                                                   r"mode per layer \(4\)"):
         hyperac.apply(copy.deepcopy(base), plan={**written, "buckets": [{"max_len": 16, "modes": ["off"]}]})
+    with pytest.raises(hyperac.ConfigError, match=r"a plan with length buckets needs 'max_seq_len'"):
+        hyperac.Plan.from_dict({**written, "max_seq_len": None})
     with pytest.raises(hyperac.ConfigError, match="length buckets .* not supported with compile=True"):
         hyperac.apply(copy.deepcopy(base), plan=written, compile=True)
 
