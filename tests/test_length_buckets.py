@@ -121,6 +121,7 @@ def test_each_length_runs_its_buckets_plan(applied, base, plan_flops):
     from bucket to bucket."""
     model, plan = applied
     assert len({b.modes for b in plan.buckets}) > 2, plan
+    installed = [(vars(m).get("forward"), dict(m._forward_pre_hooks)) for m in model.modules()]
     by_length = {16: plan.buckets[0], 30: plan.buckets[1], 32: plan.buckets[1], 48: plan.buckets[2], L: plan.buckets[3]}
     for n, bucket in by_length.items():
         assert replayed(model, base, ids_of(n)) == plan_flops(bucket.modes, ids_of(n)), n
@@ -133,6 +134,8 @@ def test_each_length_runs_its_buckets_plan(applied, base, plan_flops):
     with pytest.warns(hyperac.HyperACWarning, match=r"shape \[3, 32\] is larger than the shape \[2, 64\] the plans "
                       r"were made for in a dimension other than 1, .* so it runs full recompute on every layer"):
         assert replayed(model, base, wider) == plan_flops(["full"] * 4, wider)
+    # switching installed nothing: the same overrides and hooks on every module
+    assert [(vars(m).get("forward"), dict(m._forward_pre_hooks)) for m in model.modules()] == installed
 
 
 def test_each_replay_uses_its_forwards_mode_across_buckets(applied, base, plan_flops):
@@ -295,5 +298,8 @@ def test_swap_is_chosen_for_max_seq_len_only(base):
 
     assert moved(short) == 0
     assert moved(128) > 0
+    reference = grads_after(base, ids_of(short), ids_of(128))  # one backward over a swapping and a plain forward
+    got = grads_after(model, ids_of(short), ids_of(128))
+    assert all(torch.equal(got[1][name], grad) for name, grad in reference[1].items())
     with pytest.warns(hyperac.HyperACWarning, match="runs full recompute on every layer"):
         assert moved(160) > 0
