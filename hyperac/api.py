@@ -211,7 +211,7 @@ def apply(
     budget: Any = _D["budget"],
     sample: Any = _D["sample"],
     max_seq_len: int | None = _D["max_seq_len"],
-    seq_dim: int = _D["seq_dim"],
+    seq_dim: int | None = _D["seq_dim"],
     length_buckets: int = _D["length_buckets"],
     plan: Any = _D["plan"],
     adapter: Any = _D["adapter"],
@@ -255,7 +255,7 @@ def apply(
             modes, planned_swaps = plan_swaps(modes, [layer.swap for layer in config.plan.layers])
         if config.plan.buckets:  # switched by length again (NOTE [Plans per length bucket])
             prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets,
-                          "batch_shape": config.plan.batch_shape}
+                          "batch_shape": config.plan.batch_shape, "seq_dim": config.sequence_dim}
     elif config.mode == "auto" and config.compile:  # plan for compiled layers (planner/compiled.py)
         modes, planned_swaps, prediction = compiled_auto_modes(
             model, found, config.budget, config.sample,
@@ -264,7 +264,7 @@ def apply(
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
-            chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len, config.seq_dim,
+            chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len, config.sequence_dim,
             config.length_buckets)
     else:
         modes = assign_modes(found, config)
@@ -319,7 +319,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
                                                separate_stream=chosen_backend.device_type != "cpu")
         if buckets:  # NOTE [Plans per length bucket] in length_switch.py
             install_switched(named_modules, state, len(variants), install_variant)
-            switch = LengthSwitch(state, tuple(b.max_len for b in buckets), config.seq_dim, result.batch_shape)
+            switch = LengthSwitch(state, tuple(b.max_len for b in buckets), result.seq_dim, result.batch_shape)
             install_hook(model, switch, pre=True, with_kwargs=True)
         else:
             install_variant(0)

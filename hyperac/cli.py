@@ -229,7 +229,7 @@ def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[s
     notes = (f"planned by hyperac plan for {args.device}", *predictions.pop("notes"))
     shape = None if args.max_seq_len is None else (args.batch, args.max_seq_len)
     plan_ = Plan(backend=args.device, adapter="none", layers=layers, notes=notes, buckets=buckets, batch_shape=shape,
-                 **predictions)
+                 seq_dim=None if args.max_seq_len is None else 1, **predictions)
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(plan_.to_dict(), handle, indent=1)

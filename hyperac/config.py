@@ -263,8 +263,10 @@ class Config:
     """``mode="auto"``: plan for batches up to this sequence length (the sample profiled at its own
     length and at half of it, the costs fitted as functions of the length); ``None``: the sample's."""
 
-    seq_dim: int = 1
-    """``max_seq_len=``: the dimension of the sample's tensors that is the sequence length."""
+    seq_dim: int | None = None
+    """``max_seq_len=``: the dimension of the sample's tensors that is the sequence length, and of
+    each training batch's first tensor that picks its length bucket. ``None``: a ``plan``'s own
+    (kept with its buckets), else 1."""
 
     length_buckets: int = 4
     """``max_seq_len=``: how many length buckets get a plan each, with bounds evenly spaced up to
@@ -361,7 +363,8 @@ class Config:
             raise ConfigError(f"Config.max_seq_len must be a positive int, got {self.max_seq_len!r}; e.g. 4096.")
         if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) or self.length_buckets < 1:
             raise ConfigError(f"Config.length_buckets must be an int >= 1, got {self.length_buckets!r}; e.g. 4.")
-        if isinstance(self.seq_dim, bool) or not isinstance(self.seq_dim, int) or self.seq_dim < 0:
+        if self.seq_dim is not None and (isinstance(self.seq_dim, bool) or not isinstance(self.seq_dim, int)
+                                         or self.seq_dim < 0):
             raise ConfigError(f"Config.seq_dim must be an int >= 0, got {self.seq_dim!r}; e.g. 1 for (batch, seq).")
         if self.sample is not None and not (isinstance(self.sample, Mapping) or callable(self.sample)):
             raise ConfigError(
@@ -379,6 +382,19 @@ class Config:
                     f"Config.plan has length buckets (max_seq_len={self.plan.max_seq_len}), which are not supported "
                     "with compile=True yet (each bucket's plan would be another graph); apply it with compile=False."
                 )
+        planned = None if self.plan is None else self.plan.seq_dim
+        if planned is not None and self.seq_dim not in (None, planned):
+            raise ConfigError(
+                f"Config.seq_dim={self.seq_dim!r} contradicts the plan's seq_dim={planned!r}, the dimension its length "
+                f"buckets were planned along; drop seq_dim= (the plan switches along dimension {planned})."
+            )
+
+    @property
+    def sequence_dim(self) -> int:
+        """``seq_dim`` resolved: as given, else the plan's, else 1."""
+        if self.seq_dim is not None:
+            return self.seq_dim
+        return 1 if self.plan is None or self.plan.seq_dim is None else self.plan.seq_dim
 
     def _check_policy_options(self) -> None:
         given = [field for field, value in (("save_ops", self.save_ops is not None),

@@ -98,6 +98,10 @@ class Plan:
     """``mode="auto"`` with ``max_seq_len=``: the shape of the sample's first tensor with
     ``max_seq_len`` positions: the fit models the length only, so a training batch larger in
     another dimension (a bigger batch) runs ``full`` on every layer, as a longer one does."""
+    seq_dim: int | None = None
+    """``mode="auto"`` with ``max_seq_len=``: the dimension of each training batch's first tensor
+    read as its length, to pick its bucket (``Config.seq_dim``; ``None`` in plans written before it
+    was kept: 1)."""
     buckets: tuple[LengthBucket, ...] = ()
     """``mode="auto"`` with ``max_seq_len=``: the plan per length bucket, shortest first; the last
     (up to ``max_seq_len``) is the plan's own layers, the default. Each training forward runs the
@@ -121,10 +125,13 @@ class Plan:
         fields = {k: data[k] for k in _PREDICTIONS if k in data}
         buckets = tuple(_bucket_from_dict(position, bucket, len(layers), fields.get("max_seq_len"))
                         for position, bucket in enumerate(data.get("buckets", ())))
-        shape = data.get("batch_shape")
+        shape, seq_dim = data.get("batch_shape"), data.get("seq_dim")
+        if seq_dim is not None and (isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0):
+            raise ConfigError(f"Config.plan['seq_dim'] is {seq_dim!r}; give the sequence dimension as an int >= 0 "
+                              "(1 for (batch, seq)), or None.")
         return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
                    notes=tuple(data.get("notes", ())), buckets=buckets,
-                   batch_shape=None if shape is None else tuple(shape), **fields)
+                   batch_shape=None if shape is None else tuple(shape), seq_dim=seq_dim, **fields)
 
     def count(self, mode: str) -> int:
         return sum(1 for layer in self.layers if layer.mode == mode)
@@ -148,6 +155,7 @@ class Plan:
             "notes": list(self.notes),
             **{name: getattr(self, name) for name in _PREDICTIONS},
             "batch_shape": None if self.batch_shape is None else list(self.batch_shape),
+            "seq_dim": self.seq_dim,
             "buckets": [bucket.to_dict() for bucket in self.buckets],
         }
 
@@ -188,7 +196,8 @@ class Plan:
             return []
         default = self.buckets[-1]
         width = len(str(default.max_len))
-        lines = ["plans per length bucket (chosen at each training forward by the batch's length):"]
+        lines = ["plans per length bucket (chosen at each training forward by the batch's length, dimension "
+                 f"{1 if self.seq_dim is None else self.seq_dim} of its first tensor):"]
         for bucket in self.buckets:
             lines.append(
                 f"  up to {bucket.max_len:>{width}}: {mode_letters(bucket.modes)}  peak "

@@ -197,7 +197,10 @@ def test_a_plan_round_trips_through_json_with_its_buckets(applied, base, plan_fl
     assert replayed(again, base, ids_of(16)) == plan_flops(plan.buckets[0].modes, ids_of(16))
     assert replayed(again, base, ids_of(L)) == plan_flops(plan.buckets[3].modes, ids_of(L))
     hyperac.remove(again)
-    hyperac.apply(again, plan=written, seq_dim=2)  # no tensor argument has a dimension 2: the length is unknown
+    with pytest.raises(hyperac.ConfigError, match=r"Config.seq_dim=2 contradicts the plan's seq_dim=1, the dimension "
+                                                  r"its length buckets were planned along; drop seq_dim="):
+        hyperac.apply(again, plan=written, seq_dim=2)
+    hyperac.apply(again, plan={**written, "seq_dim": 2})  # no tensor argument has a dimension 2: the length is unknown
     with pytest.warns(hyperac.HyperACWarning, match=r"tensor arguments of shapes \[\[2, 16\], \[2, 16\]\] has none "
                       r"with a dimension 2 to read its sequence length from, so it runs full recompute on every layer"):
         assert replayed(again, base, ids_of(16)) == plan_flops(["full"] * 4, ids_of(16))
@@ -208,6 +211,44 @@ def test_a_plan_round_trips_through_json_with_its_buckets(applied, base, plan_fl
         hyperac.Plan.from_dict({**written, "max_seq_len": None})
     with pytest.raises(hyperac.ConfigError, match="length buckets .* not supported with compile=True"):
         hyperac.apply(copy.deepcopy(base), plan=written, compile=True)
+
+
+class Channelled(torch.nn.Module):
+    """A causal LM fed ids of shape (batch, 1, seq): the sequence length is dimension 2."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids=input_ids[:, 0], labels=labels[:, 0])
+
+
+def test_a_plan_keeps_its_seq_dim(base, off_peak, plan_flops):
+    """A plan made with ``seq_dim=2`` switches along dimension 2 when applied again from JSON with no
+    ``seq_dim=``; one that says otherwise is refused; a plan written before ``seq_dim`` was kept reads 1."""
+    ids = ids_of(L)[:, None]
+    model = Channelled(copy.deepcopy(base))
+    plan = hyperac.apply(model, mode="auto", budget=int(BUDGET * off_peak), sample={"input_ids": ids[..., :16],
+                         "labels": ids[..., :16]}, max_seq_len=L, seq_dim=2, backend="cpu", length_buckets=2)
+    assert plan.seq_dim == 2 and plan.batch_shape == (2, 1, L)
+    assert "by the batch's length, dimension 2 of its first tensor" in str(plan)
+    assert plan.buckets[0].modes != plan.buckets[1].modes, plan
+    written = json.loads(json.dumps(plan.to_dict()))
+    assert written["seq_dim"] == 2
+    reference = Channelled(base)
+    for given in ({}, {"seq_dim": 2}):  # none: the plan's; the plan's again: agrees
+        again = Channelled(copy.deepcopy(base))
+        assert hyperac.apply(again, plan=written, **given).seq_dim == 2
+        for bucket in plan.buckets:
+            n = bucket.max_len
+            assert replayed(again, reference, ids[..., :n]) == plan_flops(bucket.modes, ids_of(L)[:, :n]), n
+    with pytest.raises(hyperac.ConfigError, match=r"Config.seq_dim=1 contradicts the plan's seq_dim=2"):
+        hyperac.apply(Channelled(copy.deepcopy(base)), plan=written, seq_dim=1)
+    older = {key: value for key, value in written.items() if key != "seq_dim"}
+    assert hyperac.Plan.from_dict(older).seq_dim is None
+    with pytest.raises(hyperac.ConfigError, match=r"Config.plan\['seq_dim'\] is -1; give the sequence dimension"):
+        hyperac.Plan.from_dict({**written, "seq_dim": -1})
 
 
 def test_hyperac_plan_output_applies_with_its_buckets(tmp_path, capsys):
@@ -224,6 +265,7 @@ def test_hyperac_plan_output_applies_with_its_buckets(tmp_path, capsys):
     out = capsys.readouterr().out
     written = json.loads(path.read_text())
     assert [b["max_len"] for b in written["buckets"]] == [32, 64, 96, 128] and written["batch_shape"] == [1, 128]
+    assert written["seq_dim"] == 1
     for bucket in written["buckets"]:
         assert f"  batches up to {bucket['max_len']}: {mode_letters(bucket['modes'])}, peak" in out
     model = LlamaForCausalLM(AutoConfig.for_model("llama", **settings))

@@ -132,6 +132,7 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
     if max_seq_len is not None:
         prediction["buckets"] = length_buckets(bounds, estimates, chosen, modes, budget_bytes)
         prediction["batch_shape"] = batch_shape(sample, seq_dim, max_seq_len)
+        prediction["seq_dim"] = seq_dim
     return modes, swaps, prediction
 
 
