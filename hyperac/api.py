@@ -268,7 +268,8 @@ def apply(
             config.length_buckets)
     else:
         modes = assign_modes(found, config)
-    return _apply_modes(model, named_modules, found, modes, config, chosen_backend, planned_swaps, prediction)
+    return _apply_modes(model, named_modules, found, modes, config, chosen_backend, planned_swaps, prediction,
+                        planned=config.mode == "auto")
 
 
 # NOTE [One installation path]: apply() decides each layer's mode (from a plan, the planner or
@@ -276,8 +277,10 @@ def apply(
 # mode through _apply_modes too, so apply() never runs inside itself while `mode="auto"` plans.
 def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], found: list[Layer], modes: list[str],
                  config: Config, chosen_backend: Backend, planned_swaps: list[bool] | None,
-                 prediction: dict[str, Any]) -> Plan:
-    """Install ``modes`` (one per layer of ``found``) on ``model`` atomically; return the plan."""
+                 prediction: dict[str, Any], planned: bool = False) -> Plan:
+    """Install ``modes`` (one per layer of ``found``) on ``model`` atomically; return the plan.
+    ``planned``: by or for ``mode="auto"``, so training forwards build no KV cache whatever the
+    modes (NOTE [KV caches in training] in _hf.py)."""
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
@@ -323,7 +326,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
             install_hook(model, switch, pre=True, with_kwargs=True)
         else:
             install_variant(0)
-        if any(layer.recomputed for layer in layer_plans) or buckets:
+        if planned or buckets or any(layer.recomputed for layer in layer_plans):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
         if result.predicted_bytes is not None and result.max_seq_len is None and not config.compile:
@@ -481,7 +484,8 @@ def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Ca
             found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", HyperACWarning)
-                _apply_modes(model, named_modules, found, assign_modes(found, config), config, backend, None, {})
+                _apply_modes(model, named_modules, found, assign_modes(found, config), config, backend, None, {},
+                             planned=True)
             return lambda: remove(model)
 
         return run
