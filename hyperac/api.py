@@ -321,8 +321,9 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
             state.offload = require_offloading(link_bandwidth(chosen_backend, model),
                                                separate_stream=chosen_backend.device_type != "cpu")
         if buckets:  # NOTE [Plans per length bucket] in length_switch.py
-            install_switched(named_modules, state, len(variants), install_variant)
-            switch = LengthSwitch(state, tuple(b.max_len for b in buckets), result.seq_dim, result.batch_shape)
+            switched = install_switched(named_modules, state, len(variants), install_variant)
+            switch = LengthSwitch(state, tuple(b.max_len for b in buckets), result.seq_dim, result.batch_shape,
+                                  switched)
             install_hook(model, switch, pre=True, with_kwargs=True)
         else:
             install_variant(0)

@@ -12,9 +12,10 @@ each set on a module (its forward overrides) is collected; each module then gets
 :class:`SwitchedForward` holding those overrides by bucket, and the model a :class:`LengthSwitch`
 forward pre-hook. At each training forward (grad enabled, ``model.training``) the pre-hook reads
 the batch's length (its first tensor argument or keyword argument with more than ``seq_dim``
-dimensions, that dimension) and sets the bucket, an index the applied state holds as data; each
-switched module dispatches on it when called. A switch is one integer write: nothing is
-installed, removed or compiled per step. A layer's replay uses the mode its forward ran in, however
+dimensions, that dimension) and sets the bucket, an index the applied state holds as data, and
+on each switched module the override of that bucket (``current``), which the module calls. A
+switch is an attribute write per switched module: nothing is installed, removed or compiled
+per step. A layer's replay uses the mode its forward ran in, however
 the bucket changes before its backward (accumulation of micro-batches of different lengths, or
 interleaved pipeline stages): the mode's override builds the replay's contexts at the layer's
 forward (``torch.utils.checkpoint`` keeps them with the saved tensors), and nothing reads the bucket
@@ -23,11 +24,22 @@ module's own forward). A training batch longer than ``max_seq_len``, one larger 
 another dimension (the fit models the length only: a bigger batch), or one whose length cannot be
 read, warns once per shape and runs the most memory-saving plan: ``full`` on every layer, swapping
 where the default plan swaps; never the default plan over its budget, silently.
+
+NOTE [Switching under torch.compile]
+A user may compile the applied eager model: ``layer.compile()`` per layer, or
+``torch.compile(model)``. Dynamo guards on what a traced frame reads. Were a switched module to
+index its overrides by the bucket, every compiled layer (one code object for all of them) would
+guard on the bucket's value and on the override there, a cache entry per (bucket, mode) pair,
+past dynamo's ``recompile_limit`` (8) with four buckets, after which layers run uncompiled. It
+reads ``current`` instead, so a layer guards on the override it calls, as an unswitched one
+does, and compiles a graph per distinct mode (two: a first static shape, then dynamic). Under
+``torch.compile(model)`` the pre-hook is traced too: the bucket is chosen by comparisons with the
+length (``bisect``, a C builtin, would break the graph), which guard on it, so the model compiles
+a graph per bucket (and the longer plan), within the limit for up to 6 buckets.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,9 +58,9 @@ class LengthSwitch(Installed):
     one ``full`` on every layer, with a warning once per shape (NOTE [Plans per length bucket])."""
 
     def __init__(self, owner: AppliedState, bounds: tuple[int, ...], seq_dim: int,
-                 batch_shape: tuple[int, ...] | None) -> None:
+                 batch_shape: tuple[int, ...] | None, switched: tuple[SwitchedForward, ...]) -> None:
         self.owner, self.fqn = owner, ""
-        self.bounds, self.seq_dim, self.batch_shape = bounds, seq_dim, batch_shape
+        self.bounds, self.seq_dim, self.batch_shape, self.switched = bounds, seq_dim, batch_shape, switched
 
     def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -56,13 +68,18 @@ class LengthSwitch(Installed):
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         first = next((v for v in tensors if v.dim() > self.seq_dim), None)
         outside = self._outside(first, tensors)
-        if outside is None:
-            self.owner.bucket = bisect.bisect_left(self.bounds, first.shape[self.seq_dim])
+        if outside is None:  # bisect_left, which dynamo cannot trace (NOTE [Switching under torch.compile])
+            self._switch(sum(1 for bound in self.bounds if bound < first.shape[self.seq_dim]))
             return
-        self.owner.bucket = len(self.bounds)
+        self._switch(len(self.bounds))
         what, fix = outside
         warn_once(f"hyperac: a training batch {what}, so it runs full recompute on every layer (the most memory-saving "
                   f"plan), which may still exceed the budget; {fix}", self.owner.warned, stacklevel=4)
+
+    def _switch(self, bucket: int) -> None:
+        self.owner.bucket = bucket
+        for forward in self.switched:
+            forward.current = forward.variants[bucket]
 
     def _outside(self, first: torch.Tensor | None, tensors: list[torch.Tensor]) -> tuple[str, str] | None:
         """What puts the batch outside the plans, and the fix; ``None`` if a bucket holds it."""
@@ -86,25 +103,25 @@ class LengthSwitch(Installed):
 
 class SwitchedForward(Override):
     """A module's forward per length bucket: ``variants[bucket]`` is the override that bucket's plan
-    installed on the module, ``None`` where it left the module's own forward (NOTE [Plans per
-    length bucket])."""
+    installed on the module, ``None`` where it left the module's own forward; ``current``, the one
+    of the bucket the switch last set (NOTE [Plans per length bucket])."""
 
     def __init__(self, module: nn.Module, owner: AppliedState, fqn: str, variants: tuple[Override | None, ...]) -> None:
         super().__init__(module, owner, fqn)
-        self.variants = variants
+        self.variants, self.current = variants, variants[owner.bucket]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        variant = self.variants[self.owner.bucket]
+        variant = self.current
         if variant is None:
             return self.module_and_forward()[1](*args, **kwargs)
         return variant(*args, **kwargs)
 
 
 def install_switched(modules: list[tuple[str, nn.Module]], owner: AppliedState, plans: int,
-                     install: Callable[[int], None]) -> None:
-    """Install ``plans`` plans switched by ``owner.bucket``: ``install(k)`` installs plan ``k`` as
-    if alone; what it set on each of ``modules`` is collected, then a :class:`SwitchedForward`
-    holds it (NOTE [Plans per length bucket])."""
+                     install: Callable[[int], None]) -> tuple[SwitchedForward, ...]:
+    """Install ``plans`` plans to switch between: ``install(k)`` installs plan ``k`` as if alone;
+    what it set on each of ``modules`` is collected, then a :class:`SwitchedForward` holds it
+    (NOTE [Plans per length bucket]). Returns them, for the :class:`LengthSwitch`."""
     collected: dict[int, tuple[str, nn.Module, list[Override | None]]] = {}
     for k in range(plans):
         install(k)
@@ -113,5 +130,8 @@ def install_switched(modules: list[tuple[str, nn.Module]], owner: AppliedState, 
             if isinstance(override, Override) and override.owner is owner:
                 override.restore(module)
                 collected.setdefault(id(module), (fqn, module, [None] * plans))[2][k] = override
-    for fqn, module, variants in collected.values():
-        SwitchedForward(module, owner, fqn, tuple(variants)).install()
+    switched = tuple(SwitchedForward(module, owner, fqn, tuple(variants)) for fqn, module, variants in
+                     collected.values())
+    for forward in switched:
+        forward.install()
+    return switched

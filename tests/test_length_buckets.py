@@ -345,3 +345,40 @@ def test_swap_is_chosen_for_max_seq_len_only(base):
     assert all(torch.equal(got[1][name], grad) for name, grad in reference[1].items())
     with pytest.warns(hyperac.HyperACWarning, match="runs full recompute on every layer"):
         assert moved(160) > 0
+
+
+@pytest.mark.parametrize("per_layer", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["layer.compile", "torch.compile(model)"])  # the whole model: ~35 s of tracing
+def test_a_user_compiled_bucketed_model_switches_within_the_recompile_limit(applied, base, per_layer):
+    """NOTE [Switching under torch.compile]: compiled after ``apply`` (``eager`` backend: dynamo alone
+    decides graphs), steps of every bucket and a longer one compile at most two graphs per distinct
+    plan (a first static shape, then dynamic), hit no recompile limit and break no graph, and give the
+    gradients of the un-applied model compiled the same way, bitwise."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, plan = applied
+    lengths = (16, 30, 48, L, LONGER, 8, 40, 20, 56)
+
+    def compiled_grads(module):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        counter = CompileCounterWithBackend("eager")
+        module = copy.deepcopy(module)
+        if per_layer:
+            for layer in module.model.layers:
+                layer.compile(backend=counter)
+        else:
+            module = torch.compile(module, backend=counter)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), warnings.catch_warnings():
+            warnings.simplefilter("ignore", hyperac.HyperACWarning)  # the longer batch warns (tested above)
+            grads = [grads_after(module, ids_of(n, seed=n))[1] for n in lengths]
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        return grads, counter.frame_count
+
+    got, graphs = compiled_grads(model)
+    reference, _ = compiled_grads(base)
+    plans = {b.modes for b in plan.buckets} | {("full",) * 4}
+    assert graphs <= 2 * len(plans), (graphs, plans)
+    for n, expected, grads in zip(lengths, reference, got):
+        for name, grad in expected.items():
+            torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=f"{n}: {name}")
