@@ -292,7 +292,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     )
     swaps = _swap_flags(config, chosen_backend, modes, notes, planned_swaps)
     variants = _bucket_variants(config, chosen_backend, modes, swaps, planned_swaps, buckets)
-    last_swap = variants[-1][2]  # the default's swap chain, which longer batches keep
+    last_swap = variants[-1][2]  # the default's, which longer batches keep
     layer_plans = []
     for i, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         roots, excluded = regions.get(layer.fqn, ((), ())) if mode in RECOMPUTE_MODES else ((), ())
@@ -352,8 +352,7 @@ def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: 
     """The plan per length bucket, then ``full`` on every layer with the default's swaps for longer
     batches (NOTE [Plans per length bucket]); without buckets, the plan alone. A bucket whose modes
     are the default's runs the default, swaps included; the others swap only as ``Config`` asks."""
-    last_swap = max((i for i, flag in enumerate(swaps) if flag), default=None)
-    default = (modes, swaps, last_swap, planned_swaps)
+    default = (modes, swaps, _last_swap(swaps), planned_swaps)
     if not buckets:
         return [default]
     variants = []
@@ -365,9 +364,13 @@ def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: 
         with warnings.catch_warnings():  # given for the default plan already
             warnings.simplefilter("ignore", HyperACWarning)
             bucket_swaps = _swap_flags(config, backend, bucket_modes, [], None)
-        variants.append((bucket_modes, bucket_swaps, max((i for i, f in enumerate(bucket_swaps) if f), default=None),
-                         None))
-    return [*variants, (["full"] * len(modes), swaps, last_swap, planned_swaps)]
+        variants.append((bucket_modes, bucket_swaps, _last_swap(bucket_swaps), None))
+    return [*variants, (["full"] * len(modes), *default[1:])]
+
+
+def _last_swap(swaps: list[bool]) -> int | None:
+    """The last swapping layer: it keeps its tensors (its backward comes first) but stays in the chain."""
+    return max((i for i, flag in enumerate(swaps) if flag), default=None)
 
 
 def _install(
@@ -497,8 +500,9 @@ def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Ca
 def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: Any = None,
              device_profile: str | None = None, min_swap_bytes: int = _D["min_swap_bytes"]) -> Estimate:
     """Profile one step of ``model`` per mode and report, per layer and mode, the activation bytes
-    kept for backward, the step's peak, the seconds and the FLOPs replayed. The model is left as it
-    was (gradients, buffers, RNG state).
+    kept for backward, the step's peak, the seconds and the FLOPs replayed, of steps run as an
+    applied model trains: an HF model builds no KV cache (NOTE [KV caches in training] in _hf.py).
+    The model is left as it was (gradients, buffers, RNG state).
 
     Args:
         model: works on real tensors and on a model built on the ``meta`` device.

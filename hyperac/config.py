@@ -275,7 +275,7 @@ class Config:
 
     plan: Any = None
     """A :class:`hyperac.Plan` (or its ``to_dict()``) to apply again: its per-layer modes, and its
-    plans per length bucket where it has them (switched by length again, along ``seq_dim``). Swap of
+    plans per length bucket where it has them (switched by length again, along its ``seq_dim``). Swap of
     recomputed layers still follows ``swap_inputs``/``swap_selective_outputs`` (``swap`` layers swap)."""
 
     adapter: Any = None

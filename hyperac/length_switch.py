@@ -34,8 +34,10 @@ past dynamo's ``recompile_limit`` (8) with four buckets, after which layers run 
 reads ``current`` instead, so a layer guards on the override it calls, as an unswitched one
 does, and compiles a graph per distinct mode (two: a first static shape, then dynamic). Under
 ``torch.compile(model)`` the pre-hook is traced too: the bucket is chosen by comparisons with the
-length (``bisect``, a C builtin, would break the graph), which guard on it, so the model compiles
-a graph per bucket (and the longer plan), within the limit for up to 6 buckets.
+length (``bisect``, a C builtin, would break the graph), and the model compiles a graph per
+distinct plan (buckets with equal plans share one; ``full`` for longer batches is one more), plus
+one for the first, static, shape: within the limit for up to 7 distinct plans (measured: 8
+buckets, 3 distinct plans and ``full``, 4 graphs).
 """
 
 from __future__ import annotations
