@@ -37,7 +37,7 @@ does, and compiles a graph per distinct mode (two: a first static shape, then dy
 length (``bisect``, a C builtin, would break the graph), and the model compiles a graph per
 distinct plan (buckets with equal plans share one; ``full`` for longer batches is one more), plus
 one for the first, static, shape: within the limit for up to 7 distinct plans (measured: 8
-buckets, 3 distinct plans and ``full``, 4 graphs).
+buckets on 2 layers, 3 distinct plans with ``full``, 4 graphs).
 """
 
 from __future__ import annotations

@@ -347,9 +347,19 @@ def test_swap_is_chosen_for_max_seq_len_only(base):
         assert moved(160) > 0
 
 
-@pytest.mark.parametrize("per_layer", [True, pytest.param(False, marks=pytest.mark.slow)],
-                         ids=["layer.compile", "torch.compile(model)"])  # the whole model: ~35 s of tracing
-def test_a_user_compiled_bucketed_model_switches_within_the_recompile_limit(applied, base, per_layer):
+@pytest.fixture(scope="module")
+def two_layers():
+    """For ``torch.compile(model)``, whose tracing of the whole 4-layer model takes ~35 s: 2 layers,
+    2 buckets, whose plans differ."""
+    base = tiny_llama(num_layers=2, use_cache=False)
+    model = copy.deepcopy(base)
+    plan = hyperac.apply(model, mode="auto", budget=0.75, sample={"input_ids": ids_of(16), "labels": ids_of(16)},
+                         max_seq_len=L, backend="cpu", length_buckets=2)
+    return model, plan, base
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["layer.compile", "torch.compile(model)"])
+def test_a_user_compiled_bucketed_model_switches_within_the_recompile_limit(request, per_layer):
     """NOTE [Switching under torch.compile]: compiled after ``apply`` (``eager`` backend: dynamo alone
     decides graphs), steps of every bucket and a longer one compile a graph per distinct layer mode
     (per layer) or plan (the whole model), and one for the first, static, shape; they hit no
@@ -357,8 +367,9 @@ def test_a_user_compiled_bucketed_model_switches_within_the_recompile_limit(appl
     same way, bitwise."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    model, plan = applied
-    lengths = (16, 30, 48, L, LONGER, 8, 40, 20, 56)
+    model, plan, base = (*request.getfixturevalue("applied"), request.getfixturevalue("base")) if per_layer else \
+        request.getfixturevalue("two_layers")
+    lengths = (16, 30, 48, L, LONGER, 8, 40, 20, 56) if per_layer else (16, 40, L, LONGER, 8, 20)
 
     def compiled_grads(module):
         torch._dynamo.reset()
@@ -378,7 +389,7 @@ def test_a_user_compiled_bucketed_model_switches_within_the_recompile_limit(appl
 
     got, graphs = compiled_grads(model)
     reference, _ = compiled_grads(base)
-    plans = {b.modes for b in plan.buckets} | {("full",) * 4}
+    plans = {b.modes for b in plan.buckets} | {("full",) * len(plan.layers)}
     distinct = {mode for modes in plans for mode in modes} if per_layer else plans
     assert len(plans) > 2 and graphs <= len(distinct) + 1, (graphs, plans)
     for n, expected, grads in zip(lengths, reference, got):
