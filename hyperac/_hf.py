@@ -85,8 +85,10 @@ def sub_module_targets(layer_fqn: str, layer: nn.Module) -> list[tuple[str, nn.M
 # ``inference_mode``, ``generate`` and hand-written decoding loops build and return caches exactly
 # as without hyperac, and ``save_pretrained`` writes the config unchanged. Only a training forward
 # (training mode, grad enabled) of a model with recomputed layers, or planned by ``mode="auto"``
-# (whatever the plan: its profiles ran without a cache, so its predicted peaks hold), differs, as
-# under HF's activation checkpointing (``merge_with_config_defaults``): a ``use_cache`` left to the config default
+# (its profiles run without a cache, so its predicted peaks hold; except a plan that only swaps,
+# which keeps the cache as before: its predicted peak is that of the step with the cache, and the
+# step without one peaks 5% lower on tests/test_swap_plan.py's model), differs, as under HF's activation checkpointing
+# (``merge_with_config_defaults``): a ``use_cache`` left to the config default
 # becomes ``False``, so no cache is built that would keep every layer's keys and values alive
 # through the step; an explicit ``use_cache=True`` becomes ``False`` too, with one warning. A cache
 # object passed in is kept, with one warning: the layers read and extend it as without hyperac

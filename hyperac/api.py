@@ -279,8 +279,8 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
                  config: Config, chosen_backend: Backend, planned_swaps: list[bool] | None,
                  prediction: dict[str, Any], planned: bool = False) -> Plan:
     """Install ``modes`` (one per layer of ``found``) on ``model`` atomically; return the plan.
-    ``planned``: by or for ``mode="auto"``, so training forwards build no KV cache whatever the
-    modes (NOTE [KV caches in training] in _hf.py)."""
+    ``planned``: by or for ``mode="auto"``, so training forwards build no KV cache unless a layer
+    swaps (NOTE [KV caches in training] in _hf.py)."""
     _check_wrapped(found, modes)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
@@ -327,7 +327,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
             install_hook(model, switch, pre=True, with_kwargs=True)
         else:
             install_variant(0)
-        if planned or buckets or any(layer.recomputed for layer in layer_plans):
+        if buckets or any(layer.recomputed for layer in layer_plans) or (planned and not any(swaps)):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
         if result.predicted_bytes is not None and result.max_seq_len is None and not config.compile:
