@@ -87,9 +87,9 @@ def sub_module_targets(layer_fqn: str, layer: nn.Module) -> list[tuple[str, nn.M
 # (training mode, grad enabled) of a model with recomputed layers, or planned by ``mode="auto"``
 # (its profiles run without a cache, so its predicted peaks hold; except a plan that only swaps,
 # which keeps the cache as before: its predicted peak is that of the step with the cache, and the
-# step without one peaks 5% lower on tests/test_swap_plan.py's model), differs, as under HF's activation checkpointing
-# (``merge_with_config_defaults``): a ``use_cache`` left to the config default
-# becomes ``False``, so no cache is built that would keep every layer's keys and values alive
+# step without one peaks 5% lower on tests/test_swap_plan.py's model), differs, as under HF's
+# activation checkpointing (``merge_with_config_defaults``): a ``use_cache`` left to the config
+# default becomes ``False``, so no cache is built that would keep every layer's keys and values alive
 # through the step; an explicit ``use_cache=True`` becomes ``False`` too, with one warning. A cache
 # object passed in is kept, with one warning: the layers read and extend it as without hyperac
 # (recompute.py, NOTE [KV caches in replays]). Each HF model module whose forward takes
