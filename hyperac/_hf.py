@@ -96,9 +96,9 @@ def sub_module_targets(layer_fqn: str, layer: nn.Module) -> list[tuple[str, nn.M
 # ``use_cache`` or a cache gets a :class:`TrainingCacheDefault` forward pre-hook for this.
 
 _USE_CACHE_TRUE = (
-    "use_cache=True in a training forward of a model with recomputed layers: hyperac sets use_cache=False for it, as "
-    "HF activation checkpointing does (a cache built while training only holds every layer's keys and values in "
-    "memory); eval, no_grad and generate keep caching."
+    "use_cache=True in a training forward of a model with recomputed layers (or planned by mode='auto'): hyperac "
+    "sets use_cache=False for it, as HF activation checkpointing does (a cache built while training only holds every "
+    "layer's keys and values in memory); eval, no_grad and generate keep caching."
 )
 _CACHE_GIVEN = (
     "a KV cache was passed to a training forward of a model with recomputed layers; hyperac keeps it: the layers read "
