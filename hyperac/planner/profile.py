@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _quiet
 from torch.utils._pytree import tree_flatten
 
-from ..measure import StorageTimeline, created_storages, flop_counter, gradients
+from ..measure import StorageTimeline, created_storages, flop_counter, gradients, op_tensors
 from ..swap import swap_ineligible
 
 __all__ = ["ModeProfile", "profile_modes"]
@@ -92,14 +92,6 @@ def _loss(model: nn.Module, sample: Any) -> tuple[torch.Tensor, Any]:
         )
         loss = first.float().mean()
     return loss, output
-
-
-def _bytes_moved(args: Any, out: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor))
-
-
-def _dtype(out: Any) -> torch.dtype | None:
-    return next((t.dtype for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
 
 
 class _Enter:
@@ -197,8 +189,10 @@ class _Profiler(TorchDispatchMode):
         if self.backward:
             self.flops[owner] += flops
         self.ops[self.backward][owner] += 1
-        self.work[owner].append((flops, _bytes_moved((args, kwargs), out), _dtype(out)))
-        for storage in created_storages((args, kwargs), out):
+        inputs, outputs = op_tensors((args, kwargs)), op_tensors(out)
+        moved = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
+        self.work[owner].append((flops, moved, outputs[0].dtype if outputs else None))
+        for storage in created_storages(inputs, outputs):
             if self.timeline.add(storage) == len(self.owner_of):
                 self.owner_of.append(owner)
         return out
@@ -452,8 +446,10 @@ def _take(target: ModeProfile, source: ModeProfile, position: int, member: int) 
 # ``off`` readings of its round, and a layer's seconds are the median of those ratios times the
 # median ``off`` reading: a plan's predicted time is on the scale of the median step. The profiled
 # steps before the rounds warm each mode up (first-call costs stay out of the rounds). Rounds stop
-# once at least ``rounds`` ran and the modes' order by seconds (modes within the noise of each
-# other tied) is the one of the round before, or after ``MAX_ROUNDS_FACTOR * rounds`` rounds.
+# once the ranking is clear (NOTE [When the ranking is clear]), or once at least ``rounds`` ran and
+# the modes' order by seconds (modes within the noise of each other tied) is the one of the round
+# before, or after ``MAX_ROUNDS`` rounds (a busy host's noise ties most modes after three: more
+# rounds cost steps and leave those ties to the cost model all the same).
 #
 # The rounds measure their own noise: where a group runs ``off`` on two members in a round, the
 # spread between the two (an off-vs-off control: identical work) is the timing's noise for that
@@ -463,7 +459,23 @@ def _take(target: ModeProfile, source: ModeProfile, position: int, member: int) 
 # decided by replayed FLOPs and dispatched ops, not by the noise (``hyperac demo --plot`` on a
 # loaded machine chose a selective plan that uniform ``full`` beat in both peak and time).
 
-MAX_ROUNDS_FACTOR = 2
+MAX_ROUNDS = 3
+
+# NOTE [When the ranking is clear]
+# A round costs a step or two, and planning is paid for in training steps: the rounds stop as soon
+# as more of them could not change the plan's ranking. That is the case when, for every group, the
+# off-vs-off control says the host is quiet (a spread of at most ``QUIET`` of the ``off`` reading)
+# and each mode's ratio to ``off`` is more than ``CLEAR_MARGIN`` times the noise away from the modes
+# ranked next to it (ties within the noise are decided by the cost model, not by further rounds).
+# The noise is taken as at least ``NOISE_FLOOR``: a single round's control can agree with itself by
+# chance. On a quiet host the demo model's modes are 10-50% apart with 1-7% of noise: one round
+# of two steps. A busy host (one preempted reading makes the control's spread large and ties every
+# mode) and a group without a control (fewer members than modes plus one) are never clear this way:
+# their rounds stop on a repeated ranking.
+
+CLEAR_MARGIN = 2.0
+NOISE_FLOOR = 0.03
+QUIET = 0.1
 
 
 def _timed_rounds(
@@ -479,7 +491,7 @@ def _timed_rounds(
     spreads: dict[int, list[float]] = defaultdict(list)
     outside: list[float] = []
     ranking = None
-    for done in range(MAX_ROUNDS_FACTOR * rounds):
+    for done in range(max(MAX_ROUNDS, rounds)):
         readings: dict[tuple[int, str], list[float]] = defaultdict(list)
         for assignment in _assignments(groups, modes, count, start=done, fill=True):
             undo = run_mode(assignment)
@@ -498,9 +510,10 @@ def _timed_rounds(
                 spreads[head].append((max(offs) - min(offs)) / reference)
             for mode in modes:
                 ratios[head, mode].append(statistics.fmean(readings[head, mode]) / reference if reference else 0.0)
-        order = [_ranking({m: statistics.median(ratios[head, m]) for m in modes},
-                          statistics.median(spreads[head]) if spreads[head] else 0.0) for head in heads]
-        if done + 1 >= rounds and order == ranking:
+        medians = {head: {m: statistics.median(ratios[head, m]) for m in modes} for head in heads}
+        noises = {head: statistics.median(spreads[head]) if spreads[head] else None for head in heads}
+        order = [_ranking(medians[head], noises[head] or 0.0) for head in heads]
+        if all(_clear(medians[head], noises[head]) for head in heads) or (done + 1 >= rounds and order == ranking):
             break
         ranking = order
     result: dict[str, dict[int | None, float]] = {mode: {None: statistics.median(outside)} for mode in modes}
@@ -524,6 +537,17 @@ def _ranking(ratios: dict[str, float], noise: float) -> list[frozenset[str]]:
         ranked[-1].append(mode)
         previous = mode
     return [frozenset(tie) for tie in ranked]
+
+
+def _clear(ratios: dict[str, float], noise: float | None) -> bool:
+    """Whether more rounds could not reorder ``ratios`` (NOTE [When the ranking is clear]);
+    ``noise``: the group's off-vs-off spread, ``None`` without a control."""
+    if noise is None or noise > QUIET:
+        return False
+    margin = CLEAR_MARGIN * max(noise, NOISE_FLOOR)
+    classes = _ranking(ratios, max(noise, NOISE_FLOOR))
+    return all(min(ratios[m] for m in slower) - max(ratios[m] for m in faster) > margin
+               for faster, slower in zip(classes, classes[1:]))
 
 
 def _decide_within_noise(measured: dict[str, float], noise: float, profiles: dict[str, ModeProfile],
