@@ -37,7 +37,9 @@ tokens (``max_seq_len=L``, budget 0.5): measured peak at 0.25L, 0.5L, 0.75L and 
 
 ``plan cost``: the seconds of ``hyperac.estimate`` (the profile ``apply(mode="auto")`` runs) over
 the median of the ``off`` steps just before and after it, median over three rounds, PASS at most
-10 training steps (NOTE [Identical layers measured once] in ``hyperac/planner/profile.py``).
+10 training steps (NOTE [Identical layers measured once] and NOTE [When the rounds stop] in
+``hyperac/planner/profile.py``); and the CPU seconds of ``hyperac plan --preset llama-3-70b`` in a child
+process (imports included), PASS at most 10. ``--plan-cost`` runs only these lines.
 
 Each timed step follows an untimed step of the same configuration, so that it runs with the
 caches warm, as in training (without it, the step after another configuration's pays for a cold
@@ -60,7 +62,9 @@ import datetime
 import os
 import platform
 import random
+import resource
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -274,6 +278,23 @@ def plan_cost(name: str, geometry: dict[str, int], rounds: int = 3) -> tuple[str
             f"rounds {', '.join(f'{r:.1f}' for r in ratios)}) {'PASS' if ok else 'FAIL'}"), ok
 
 
+PRESET_PLAN_TARGET = 10.0
+"""Issue 20: ``hyperac plan --preset llama-3-70b`` (an 80-layer model on ``meta``) takes at most this
+many CPU seconds, the interpreter's start and imports included."""
+
+
+def preset_plan_cost(preset: str = "llama-3-70b") -> tuple[str, bool]:
+    """CPU seconds (user + system, from ``getrusage``) of ``hyperac plan --preset`` in a child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-m", "hyperac.cli", "plan", "--preset", preset, "--budget", "0.5"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    ok = seconds <= PRESET_PLAN_TARGET
+    return (f"plan cost (hyperac plan --preset {preset}): {seconds:.1f} s of CPU (target <= "
+            f"{PRESET_PLAN_TARGET:.0f}) {'PASS' if ok else 'FAIL'}"), ok
+
+
 def length_targets(name: str, geometry: dict[str, int], budget: float = 0.5) -> tuple[list[str], bool]:
     """``max_seq_len=L`` (the geometry's seq), planned from a sample of ``L/4`` tokens: measured peak
     at 0.25L, 0.5L, 0.75L and L <= budget x 1.03, and the predicted peak at L within 5% of measured."""
@@ -354,6 +375,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds (default: 11 demo, 4 large)")
     parser.add_argument("--only", choices=tuple(GEOMETRIES))
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--plan-cost", action="store_true",
+                        help="only the plan-cost lines (each geometry, and the llama-3-70b preset)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     random.seed(0)
@@ -364,11 +387,18 @@ def main() -> int:
     for name, geometry in GEOMETRIES.items():
         if args.only and name != args.only:
             continue
-        lines, passed = run_geometry(name, geometry, args.rounds or geometry["rounds"])
         cost_line, cheap = plan_cost(name, geometry)
+        if args.plan_cost:
+            print(cost_line, flush=True)
+            ok &= cheap
+            continue
+        lines, passed = run_geometry(name, geometry, args.rounds or geometry["rounds"])
         length_lines, fits = length_targets(name, geometry)
         ok &= passed and cheap and fits
         print("\n".join([*lines, "", cost_line, *length_lines]) + "\n", flush=True)
+    preset_line, quick = preset_plan_cost()
+    print(preset_line, flush=True)
+    ok &= quick
     if args.compiled:
         print("\n".join(compiled_peer(args.rounds or 5)))
     print("all targets PASS" if ok else "some targets FAIL")
