@@ -393,12 +393,19 @@ _PER_LAYER = ("kept", "forward_peak", "backward_peak", "backward_flops", "forwar
 _SAME_WORK = ("kept", "backward_flops", "forward_ops", "backward_ops")
 
 
+def structure(module: nn.Module) -> tuple:
+    """What identical layers share before any runs: the class, and the names, shapes, dtypes (and
+    for parameters ``requires_grad``) of the parameters and buffers."""
+    return (type(module),
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()),
+            tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers()))
+
+
 def _identical_groups(layer_modules: Sequence[nn.Module], off: ModeProfile) -> list[tuple[int, ...]]:
     """Per position, the positions of the layers identical to it (itself included, in order)."""
     members: dict[tuple, list[int]] = defaultdict(list)
     for position, module in enumerate(layer_modules):
-        shapes = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters())
-        members[(type(module), shapes, *(getattr(off, field).get(position) for field in _SAME_WORK))].append(position)
+        members[(structure(module), *(getattr(off, field).get(position) for field in _SAME_WORK))].append(position)
     group_of = {position: tuple(group) for group in members.values() for position in group}
     return [group_of[position] for position in range(len(layer_modules))]
 
