@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from hyperac_testing import tiny_llama
+from hyperac_testing import TinyBlocksModel, tiny_llama
 from torch.utils._pytree import tree_flatten
 
 import hyperac
@@ -158,6 +158,27 @@ def test_a_prefix_that_does_not_predict_a_longer_one_is_not_used(monkeypatch):
     assert [len(positions) for positions in seen[:2]] == [6, 6] and seen[-1] == list(range(10))
     assert 7 in [len(positions) for positions in seen]
     assert estimate.layers[6].seconds != estimate.layers[5].seconds
+
+
+class CountedBlocks(TinyBlocksModel):
+    """Runs ``blocks[i]`` for ``i`` up to the count it was built with: fails without every layer."""
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for index in range(self.count):
+            x = self.blocks[index](x)
+        return self.head(self.norm(x))
+
+
+def test_a_forward_that_needs_every_layer_is_profiled_whole(monkeypatch):
+    with torch.device("meta"):
+        model = CountedBlocks(num_layers=8, dropout=0.0)
+    model.count = 8
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    seen = profiled_positions(monkeypatch)
+    estimate = hyperac.estimate(model, lambda m: m(ids).float().mean(), backend="cpu", device_profile="h100")
+    assert len(estimate.layers) == 8 and seen[-1] == list(range(8))
+    assert len(model.blocks) == 8
 
 
 def test_layers_of_different_structure_are_all_profiled(monkeypatch):
