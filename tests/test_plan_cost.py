@@ -76,12 +76,21 @@ def test_a_quiet_host_with_modes_close_together_times_until_the_ranking_repeats(
     assert len(steps) == 4
 
 
+def test_a_round_that_reads_a_mode_faster_than_off_is_not_the_last(monkeypatch):
+    """``pointwise`` read at 0.93x ``off`` on a busy host: a misreading (it runs at least ``off``'s
+    work), so a second round, after which the ranking repeats."""
+    steps = injected_clock(monkeypatch, {**FACTORS, "pointwise": 0.93}, off_jitter=(0.0, 0.2))
+    hyperac.estimate(tiny_llama(num_layers=4), lm_sample(), backend="cpu")
+    assert len(steps) == 4
+
+
 def test_settled_needs_a_control():
     ratios = {"off": 1.0, "full": 2.0}
     assert not profile._settled(ratios, None)
     assert profile._settled(ratios, 0.0)
     assert profile._settled({"off": 1.0, "full": 1.05}, 0.5)  # busy: tied, the cost model decides
     assert not profile._settled({"off": 1.0, "full": 1.05}, 0.02)  # quiet, between one and two noises
+    assert not profile._settled({"off": 1.0, "full": 2.0, "pointwise": 0.93}, 0.5)  # misread: faster than off
 
 
 Pair = collections.namedtuple("Pair", "first second")
