@@ -36,7 +36,7 @@ tokens (``max_seq_len=L``, budget 0.5): measured peak at 0.25L, 0.5L, 0.75L and 
 1.03, and the predicted peak at L within 5% of the measured one.
 
 ``plan cost``: the seconds of ``hyperac.estimate`` (the profile ``apply(mode="auto")`` runs) over
-the median of the ``off`` steps just before and after it, median over three rounds, PASS at most
+the median of the ``off`` steps just before and after it, median over five rounds, PASS at most
 10 training steps (NOTE [Identical layers measured once] and NOTE [When the rounds stop] in
 ``hyperac/planner/profile.py``); and the CPU seconds of ``hyperac plan --preset llama-3-70b`` in a child
 process (imports included), PASS at most 10. ``--plan-cost`` runs only these lines.
@@ -258,7 +258,7 @@ PLAN_COST_TARGET = 10.0
 this many training steps of the same model."""
 
 
-def plan_cost(name: str, geometry: dict[str, int], rounds: int = 3) -> tuple[str, bool]:
+def plan_cost(name: str, geometry: dict[str, int], rounds: int = 5) -> tuple[str, bool]:
     """Planning time over the median ``off`` step time, both measured in each of ``rounds`` rounds
     (a plan between two steps); the median of the per-round ratios."""
     model = build(geometry)
