@@ -22,8 +22,25 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
-    "ActivationMeter", "OpCounter", "PeakMeter", "StorageTimeline", "created_storages", "flop_counter", "step_peak",
+    "ActivationMeter", "OpCounter", "PeakMeter", "StorageTimeline", "created_storages", "flop_counter", "op_tensors",
+    "step_peak",
 ]
+
+
+def op_tensors(value: Any, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result: nested tuples, lists and dicts, what aten ops
+    take and return. The dispatch modes here call it on every op, where pytree's general
+    ``tree_flatten`` (registered node types, namedtuple checks) was most of their cost."""
+    found = [] if found is None else found
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+        return found
+    for item in value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ():
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list, dict)):
+            op_tensors(item, found)
+    return found
 
 
 def created_storages(inputs: Any, out: Any) -> list[torch.UntypedStorage]:
@@ -32,14 +49,13 @@ def created_storages(inputs: Any, out: Any) -> list[torch.UntypedStorage]:
     Views (``aten.t(weight)``, reshapes) and in-place results share an input's storage: that
     storage was made elsewhere (a parameter, an earlier op), so the op did not create it.
     """
-    seen = {t.untyped_storage()._cdata for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    seen = {t.untyped_storage()._cdata for t in op_tensors(inputs)}
     created = []
-    for value in tree_flatten(out)[0]:
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            if storage._cdata not in seen:
-                seen.add(storage._cdata)
-                created.append(storage)
+    for value in op_tensors(out):
+        storage = value.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            created.append(storage)
     return created
 
 

@@ -23,6 +23,7 @@ from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, build_estimate, split_
 from .devices import DEVICES, device_profile
 from .dispatch import describe, host_costs
 from .lengths import batch_shape, bucket_bounds, fitted_estimates, length_buckets, sequence_length, truncated
+from .prefix import profiled_stack
 from .profile import profile_modes
 from .restore import side_effects_undone
 from .solver import choose_modes
@@ -55,11 +56,11 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
     # The sim backend's per-op compute time (NOTE [Simulated link and compute time]) is part of what is timed.
     computing = getattr(backend, "computing", contextlib.nullcontext)
     with side_effects_undone(model, backend.device_type), fused_attention_on_meta(on_meta), computing():
-        model.train()
-        profiles = profile_modes(
-            model, sample, [layer.module for layer in layers], ESTIMATE_MODES, _mixed_runner(model, layers, runner),
+        model.train()  # on meta, maybe a prefix of the layers: NOTE [A prefix of a deep stack]
+        profiles = profiled_stack(model, layers, on_meta, lambda profiled: profile_modes(
+            model, sample, [layer.module for layer in profiled], ESTIMATE_MODES, _mixed_runner(model, profiled, runner),
             rounds=TIMED_ROUNDS if timed and not on_meta else 0, synchronize=backend.synchronize,
-        )
+        ))
     if not on_meta:
         return build_estimate(layers, profiles, timing=f"measured on {backend.name}",
                               link_bandwidth=link_bandwidth(backend, model))

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _quiet
 from torch.utils._pytree import tree_flatten
 
-from ..measure import StorageTimeline, created_storages, flop_counter, gradients
+from ..measure import StorageTimeline, created_storages, flop_counter, gradients, op_tensors
 from ..swap import swap_ineligible
 
 __all__ = ["ModeProfile", "profile_modes"]
@@ -92,14 +92,6 @@ def _loss(model: nn.Module, sample: Any) -> tuple[torch.Tensor, Any]:
         )
         loss = first.float().mean()
     return loss, output
-
-
-def _bytes_moved(args: Any, out: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor))
-
-
-def _dtype(out: Any) -> torch.dtype | None:
-    return next((t.dtype for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
 
 
 class _Enter:
@@ -197,8 +189,10 @@ class _Profiler(TorchDispatchMode):
         if self.backward:
             self.flops[owner] += flops
         self.ops[self.backward][owner] += 1
-        self.work[owner].append((flops, _bytes_moved((args, kwargs), out), _dtype(out)))
-        for storage in created_storages((args, kwargs), out):
+        inputs, outputs = op_tensors((args, kwargs)), op_tensors(out)
+        moved = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
+        self.work[owner].append((flops, moved, outputs[0].dtype if outputs else None))
+        for storage in created_storages(inputs, outputs):
             if self.timeline.add(storage) == len(self.owner_of):
                 self.owner_of.append(owner)
         return out
@@ -399,22 +393,28 @@ _PER_LAYER = ("kept", "forward_peak", "backward_peak", "backward_flops", "forwar
 _SAME_WORK = ("kept", "backward_flops", "forward_ops", "backward_ops")
 
 
+def structure(module: nn.Module) -> tuple:
+    """What identical layers share before any runs: the class, and the names, shapes, dtypes (and
+    for parameters ``requires_grad``) of the parameters and buffers."""
+    return (type(module),
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()),
+            tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers()))
+
+
 def _identical_groups(layer_modules: Sequence[nn.Module], off: ModeProfile) -> list[tuple[int, ...]]:
     """Per position, the positions of the layers identical to it (itself included, in order)."""
     members: dict[tuple, list[int]] = defaultdict(list)
     for position, module in enumerate(layer_modules):
-        shapes = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters())
-        members[(type(module), shapes, *(getattr(off, field).get(position) for field in _SAME_WORK))].append(position)
+        members[(structure(module), *(getattr(off, field).get(position) for field in _SAME_WORK))].append(position)
     group_of = {position: tuple(group) for group in members.values() for position in group}
     return [group_of[position] for position in range(len(layer_modules))]
 
 
 def _assignments(groups: list[tuple[int, ...]], modes: Sequence[str], count: int,
-                 start: int = 0, fill: bool = False) -> list[tuple[str, ...]]:
+                 start: int = 0) -> list[tuple[str, ...]]:
     """Per-layer modes of the fewest steps that run every mode on some member of each group; the
-    ``j``-th member runs ``modes[(start + j + k * size) % len(modes)]`` in step ``k``. With ``fill``
-    every member runs a mode in every step (a large group runs some twice); without, members past
-    the last mode run ``off``."""
+    ``j``-th member runs ``modes[(start + j + k * size) % len(modes)]`` in step ``k``, and members
+    past the last mode run ``off``."""
     steps = max(math.ceil(len(modes) / len(group)) for group in groups)
     plans = []
     for step in range(steps):
@@ -422,7 +422,7 @@ def _assignments(groups: list[tuple[int, ...]], modes: Sequence[str], count: int
         for position in range(count):
             group = groups[position]
             slot = group.index(position) + step * len(group)
-            plan.append(modes[(start + slot) % len(modes)] if fill or slot < len(modes) else "off")
+            plan.append(modes[(start + slot) % len(modes)] if slot < len(modes) else "off")
         plans.append(tuple(plan))
     return plans
 
@@ -452,18 +452,42 @@ def _take(target: ModeProfile, source: ModeProfile, position: int, member: int) 
 # ``off`` readings of its round, and a layer's seconds are the median of those ratios times the
 # median ``off`` reading: a plan's predicted time is on the scale of the median step. The profiled
 # steps before the rounds warm each mode up (first-call costs stay out of the rounds). Rounds stop
-# once at least ``rounds`` ran and the modes' order by seconds (modes within the noise of each
-# other tied) is the one of the round before, or after ``MAX_ROUNDS_FACTOR * rounds`` rounds.
+# after one when more could not change the ranking (NOTE [When the rounds stop]), else once at
+# least ``rounds`` ran and the modes' order by seconds (modes within the noise of each other tied)
+# is the one of the round before, or after ``MAX_ROUNDS`` rounds.
 #
-# The rounds measure their own noise: where a group runs ``off`` on two members in a round, the
-# spread between the two (an off-vs-off control: identical work) is the timing's noise for that
-# group. Where a mode's seconds lie within that noise of what the cost model says (the ``off``
-# seconds plus a cost per replayed FLOP and per extra dispatched op, fitted to the group's
-# readings), the cost model's figure is taken: differences the timing cannot tell apart are
-# decided by replayed FLOPs and dispatched ops, not by the noise (``hyperac demo --plot`` on a
+# The rounds measure their own noise: where a group runs ``off`` on two or more members in a round
+# (members past the modes run ``off``: the demo model's four layers run five modes in two steps,
+# ``off`` on four of the eight slots), the spread between them (an off-vs-off control: identical
+# work) is the timing's noise for that group. Where a mode's seconds lie within that noise of what
+# the cost model says (the ``off`` seconds plus a cost per replayed FLOP and per extra dispatched
+# op, fitted to the group's readings), the cost model's figure is taken: differences the timing
+# cannot tell apart are decided by replayed FLOPs and dispatched ops, not by the noise (``hyperac demo --plot`` on a
 # loaded machine chose a selective plan that uniform ``full`` beat in both peak and time).
 
-MAX_ROUNDS_FACTOR = 2
+MAX_ROUNDS = 3
+
+# NOTE [When the rounds stop]
+# A round costs two steps or more, and planning is paid for in training steps (issue 20: at most
+# about ten; the two profiled steps take four to five): the rounds stop after the first as soon as more
+# of them could not change the plan's ranking. That is the case, for every group with an
+# off-vs-off control, when either
+# - the host is quiet (a spread of at most ``QUIET`` of the ``off`` reading) and each mode's ratio
+#   to ``off`` is more than ``CLEAR_MARGIN`` times the noise away from the modes ranked next to it
+#   (the noise taken as at least ``NOISE_FLOOR``: one round's control can agree with itself by
+#   chance), or
+# - the host is busy (a spread above ``QUIET``): the modes within that noise of the cost model get
+#   its figures (below), and further rounds do not settle them. Measured on the demo model under a
+#   load average of 3-4 on two cores: the control's spread was 0.1-0.7 in every round, and after
+#   two to four rounds every mode but ``off`` was still tied.
+# Only a quiet host whose modes lie between one and ``CLEAR_MARGIN`` noises apart, a group without
+# a control (fewer members than modes plus one), and a round that read a mode faster than ``off``
+# (every mode runs at least ``off``'s work: hidden 512 under load, ``pointwise`` at 0.93x ``off``
+# in one round, pulled the cost model's fit to "``pointwise`` costs nothing") run further rounds.
+
+CLEAR_MARGIN = 2.0
+NOISE_FLOOR = 0.03
+QUIET = 0.1
 
 
 def _timed_rounds(
@@ -479,9 +503,9 @@ def _timed_rounds(
     spreads: dict[int, list[float]] = defaultdict(list)
     outside: list[float] = []
     ranking = None
-    for done in range(MAX_ROUNDS_FACTOR * rounds):
+    for done in range(max(MAX_ROUNDS, rounds)):
         readings: dict[tuple[int, str], list[float]] = defaultdict(list)
-        for assignment in _assignments(groups, modes, count, start=done, fill=True):
+        for assignment in _assignments(groups, modes, count, start=done):
             undo = run_mode(assignment)
             try:
                 seconds = _timed_step(model, sample, layer_modules, synchronize)
@@ -498,9 +522,10 @@ def _timed_rounds(
                 spreads[head].append((max(offs) - min(offs)) / reference)
             for mode in modes:
                 ratios[head, mode].append(statistics.fmean(readings[head, mode]) / reference if reference else 0.0)
-        order = [_ranking({m: statistics.median(ratios[head, m]) for m in modes},
-                          statistics.median(spreads[head]) if spreads[head] else 0.0) for head in heads]
-        if done + 1 >= rounds and order == ranking:
+        medians = {head: {m: statistics.median(ratios[head, m]) for m in modes} for head in heads}
+        noises = {head: statistics.median(spreads[head]) if spreads[head] else None for head in heads}
+        order = [_ranking(medians[head], noises[head] or 0.0) for head in heads]
+        if all(_settled(medians[head], noises[head]) for head in heads) or (done + 1 >= rounds and order == ranking):
             break
         ranking = order
     result: dict[str, dict[int | None, float]] = {mode: {None: statistics.median(outside)} for mode in modes}
@@ -524,6 +549,19 @@ def _ranking(ratios: dict[str, float], noise: float) -> list[frozenset[str]]:
         ranked[-1].append(mode)
         previous = mode
     return [frozenset(tie) for tie in ranked]
+
+
+def _settled(ratios: dict[str, float], noise: float | None) -> bool:
+    """Whether more rounds could not reorder ``ratios`` (NOTE [When the rounds stop]); ``noise``:
+    the group's off-vs-off spread, ``None`` without a control."""
+    if noise is None or min(ratios.values()) < ratios["off"]:  # a mode faster than off: the round misread
+        return False
+    if noise > QUIET:
+        return True
+    margin = CLEAR_MARGIN * max(noise, NOISE_FLOOR)
+    classes = _ranking(ratios, max(noise, NOISE_FLOOR))
+    return all(min(ratios[m] for m in slower) - max(ratios[m] for m in faster) > margin
+               for faster, slower in zip(classes, classes[1:]))
 
 
 def _decide_within_noise(measured: dict[str, float], noise: float, profiles: dict[str, ModeProfile],
