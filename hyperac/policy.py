@@ -464,12 +464,16 @@ class _RecordingMode(_EagerMode):
     alias made without any op (``.data``, ``set_``) escapes the check.
     """
 
-    def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[..., None] | None) -> None:
+    def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[[torch.Tensor], None] | None,
+                 on_watch: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         self.tape = tape
         self.policy = policy
         self.table = policy.ops.table
         self.on_save = on_save
+        """Called with each tensor kept (a swap group moves it to host memory)."""
+        self.on_watch = on_watch
+        """Called with each alias held to watch writes into a kept storage (an expected holder of it)."""
         self.kept_storages: dict[int, list[tuple[_Kept, int]]] = {}
         self.saves: _AutogradSaves | None = None
         self.collectives: set[int] = set()
@@ -539,8 +543,8 @@ class _RecordingMode(_EagerMode):
             for kept, leaf in self.kept_storages.get(tensor.untyped_storage()._cdata, ()):
                 alias = torch_recompute._detach_helper(tensor)
                 kept.aliases.append((leaf, alias, alias._version))
-                if self.on_save is not None:
-                    self.on_save(alias, watcher=True)
+                if self.on_watch is not None:
+                    self.on_watch(alias)
 
     def _copy_before_write(self, writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
         for position, name in writes:
@@ -722,10 +726,14 @@ def selective_contexts(
     come back before the replay (NOTE [Swapping selective outputs] in swap.py).
     """
     tape = _Tape(layer, index)
-    on_save = None if swap_group is None else swap_group.register_cached
+    if swap_group is None:
+        recording = _RecordingMode(tape, SelectivePolicy(ops, mode), None)
+    else:
+        recording = _RecordingMode(tape, SelectivePolicy(ops, mode), swap_group.register_cached,
+                                   swap_group.register_watcher)
     before_replay = None if swap_group is None else swap_group.ensure_loaded
     return (
-        _RecordingMode(tape, SelectivePolicy(ops, mode), on_save),
+        recording,
         _ReplayMode(tape, ops, before_replay),
     )
 
