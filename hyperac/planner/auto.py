@@ -58,7 +58,8 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
         model.train()
         profiles = profile_modes(
             model, sample, [layer.module for layer in layers], ESTIMATE_MODES, _mixed_runner(model, layers, runner),
-            rounds=TIMED_ROUNDS if timed and not on_meta else 0, synchronize=backend.synchronize,
+            rounds=TIMED_ROUNDS if timed and not on_meta else 0,
+            synchronize=lambda: backend.synchronize(getattr(next(model.parameters(), None), "device", None)),
         )
     if not on_meta:
         return build_estimate(layers, profiles, timing=f"measured on {backend.name}",
