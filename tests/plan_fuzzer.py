@@ -10,7 +10,9 @@ Where tests/program_fuzzer.py draws the layers' programs, this draws what a user
   override inside one, modes drawn from all six (``swap`` runs on the stream-faithful ``sim``
   backend), ``swap_inputs``, ``save_ops=`` and ``force_recompute=`` where a layer is selective;
 * a session: training steps of random batch and sequence sizes, forwards under ``torch.no_grad`` in
-  train and eval mode, a training step in eval mode, and remove-then-apply cycles to a new plan.
+  train and eval mode, a training step in eval mode, gradients accumulated over two batches of
+  different shapes, the first layer frozen or unfrozen, the model cast to another dtype, and
+  remove-then-apply cycles to a new plan.
 
 :func:`run_session` plays the session on the un-applied model and on an applied copy (for the
 latter each cycle removes and applies again) and :func:`compare` returns what differs bit for bit:
@@ -41,7 +43,7 @@ WIDTH, VOCAB = 16, 64
 FORCED = {"llama": "mlp.*_proj", "gpt2": "mlp.c_fc", "bert": "intermediate.dense", "modulelist": "mlp.0",
           "sequential": "mlp.0"}
 """A ``force_recompute=`` pattern per family: a module inside each layer."""
-STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "cycle")
+STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "accumulate", "freeze", "cast", "cycle")
 
 
 class Block(nn.Module):
@@ -150,8 +152,14 @@ def cases(draw: Callable, max_steps: int = 5) -> dict:
     steps = []
     for _ in range(draw(st.integers(1, max_steps))):
         kind = draw(st.sampled_from(STEPS))
-        steps.append((kind, draw(plans(family, num_layers))) if kind == "cycle" else
-                     (kind, draw(st.integers(1, 3)), draw(st.integers(2, 12))))
+        if kind == "cycle":
+            steps.append((kind, draw(plans(family, num_layers))))
+        elif kind == "cast":
+            steps.append((kind, draw(st.sampled_from(DTYPES))))
+        elif kind == "freeze":
+            steps.append((kind,))
+        else:
+            steps.append((kind, draw(st.integers(1, 3)), draw(st.integers(2, 12))))
     return {"family": family, "num_layers": num_layers, "dtype": draw(st.sampled_from(DTYPES)),
             "seed": draw(st.integers(0, 2**16)), "plan": draw(plans(family, num_layers)), "steps": tuple(steps)}
 
@@ -171,6 +179,14 @@ def run_session(case: dict, applied: bool) -> tuple[list[tuple[str, torch.Tensor
                 hyperac.remove(model)
                 hyperac.apply(model, **arguments[0])
             continue
+        if kind == "cast":
+            model.to(arguments[0])
+            continue
+        if kind == "freeze":
+            for name, parameter in model.named_parameters():
+                if ".0." in name:  # the first layer, in every family
+                    parameter.requires_grad_(not parameter.requires_grad)
+            continue
         batch, seq = arguments
         torch.manual_seed(position)
         model.train(kind not in ("train_in_eval", "no_grad_eval"))
@@ -179,9 +195,10 @@ def run_session(case: dict, applied: bool) -> tuple[list[tuple[str, torch.Tensor
                 record.append((f"{position} no_grad loss", loss(model, case["family"], batch, seq, position)))
             continue
         optimizer.zero_grad(set_to_none=True)
-        value = loss(model, case["family"], batch, seq, position)
-        value.backward()
-        record.append((f"{position} loss", value.detach()))
+        for micro in range(2 if kind == "accumulate" else 1):
+            value = loss(model, case["family"], batch, seq + micro, position)
+            value.backward()
+            record.append((f"{position}.{micro} loss", value.detach()))
         record += [(f"{position} grad {n}", p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
         optimizer.step()
     model.train()
