@@ -107,10 +107,14 @@ def build(case: dict) -> nn.Module:
 
 
 def loss(model: nn.Module, family: str, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """The model's loss on random tokens; HF models get a padding mask on the last sequence's tail
+    (``seed`` odd), its labels ignored."""
     ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
     if family in ("modulelist", "sequential"):
         return model(ids)
-    return model(input_ids=ids, labels=ids).loss.float()
+    mask = torch.ones_like(ids)
+    mask[-1, seq // 2:] = seed % 2 == 0
+    return model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.float()
 
 
 @st.composite
