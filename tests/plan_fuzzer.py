@@ -11,8 +11,8 @@ Where tests/program_fuzzer.py draws the layers' programs, this draws what a user
   backend), ``swap_inputs``, ``save_ops=`` and ``force_recompute=`` where a layer is selective;
 * a session: training steps of random batch and sequence sizes, forwards under ``torch.no_grad`` in
   train and eval mode, a training step in eval mode, gradients accumulated over two batches of
-  different shapes, the first layer frozen or unfrozen, the model cast to another dtype, and
-  remove-then-apply cycles to a new plan.
+  different shapes, the first layer frozen or unfrozen, the model cast to another dtype,
+  remove-then-apply cycles to a new plan, and to the applied plan again through ``plan=``.
 
 :func:`run_session` plays the session on the un-applied model and on an applied copy (for the
 latter each cycle removes and applies again) and :func:`compare` returns what differs bit for bit:
@@ -43,7 +43,7 @@ WIDTH, VOCAB = 16, 64
 FORCED = {"llama": "mlp.*_proj", "gpt2": "mlp.c_fc", "bert": "intermediate.dense", "modulelist": "mlp.0",
           "sequential": "mlp.0"}
 """A ``force_recompute=`` pattern per family: a module inside each layer."""
-STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "accumulate", "freeze", "cast", "cycle")
+STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "accumulate", "freeze", "cast", "cycle", "replan")
 
 
 class Block(nn.Module):
@@ -160,7 +160,7 @@ def cases(draw: Callable, max_steps: int = 5) -> dict:
             steps.append((kind, draw(plans(family, num_layers))))
         elif kind == "cast":
             steps.append((kind, draw(st.sampled_from(DTYPES))))
-        elif kind == "freeze":
+        elif kind in ("freeze", "replan"):
             steps.append((kind,))
         else:
             steps.append((kind, draw(st.integers(1, 3)), draw(st.integers(2, 12))))
@@ -173,15 +173,25 @@ def run_session(case: dict, applied: bool) -> tuple[list[tuple[str, torch.Tensor
     buffers; the modules' and configs' attributes at the end). ``applied``: with ``case["plan"]``
     applied, applied again with the cycle's plan at each cycle, and removed at the end."""
     model = build(case)
+    options = case["plan"]
     if applied:
-        hyperac.apply(model, **case["plan"])
+        hyperac.apply(model, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     record: list[tuple[str, torch.Tensor]] = []
     for position, (kind, *arguments) in enumerate(case["steps"]):
         if kind == "cycle":
+            options = arguments[0]
             if applied:
                 hyperac.remove(model)
-                hyperac.apply(model, **arguments[0])
+                hyperac.apply(model, **options)
+            continue
+        if kind == "replan":
+            if applied:
+                plan = hyperac.applied_plan(model)
+                hyperac.remove(model)
+                again = hyperac.apply(model, plan=plan.to_dict(),
+                                      **{k: v for k, v in options.items() if k not in ("mode", "layers")})
+                assert again.layers == plan.layers, (plan, again)
             continue
         if kind == "cast":
             model.to(arguments[0])
