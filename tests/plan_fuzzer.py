@@ -10,9 +10,10 @@ Where tests/program_fuzzer.py draws the layers' programs, this draws what a user
   override inside one, modes drawn from all six (``swap`` runs on the stream-faithful ``sim``
   backend), ``swap_inputs``, ``save_ops=`` and ``force_recompute=`` where a layer is selective;
 * a session: training steps of random batch and sequence sizes, forwards under ``torch.no_grad`` in
-  train and eval mode, a training step in eval mode, gradients accumulated over two batches of
-  different shapes, the first layer frozen or unfrozen, the model cast to another dtype,
-  remove-then-apply cycles to a new plan, and to the applied plan again through ``plan=``.
+  train and eval mode, a training forward whose graph is dropped unused, a training step in eval
+  mode, gradients accumulated over two batches of different shapes, the first layer frozen or
+  unfrozen, the model cast to another dtype, remove-then-apply cycles to a new plan, and to the
+  applied plan again through ``plan=``.
 
 :func:`run_session` plays the session on the un-applied model and on an applied copy (for the
 latter each cycle removes and applies again) and :func:`compare` returns what differs bit for bit:
@@ -43,7 +44,8 @@ WIDTH, VOCAB = 16, 64
 FORCED = {"llama": "mlp.*_proj", "gpt2": "mlp.c_fc", "bert": "intermediate.dense", "modulelist": "mlp.0",
           "sequential": "mlp.0"}
 """A ``force_recompute=`` pattern per family: a module inside each layer."""
-STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "accumulate", "freeze", "cast", "cycle", "replan")
+STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "discard", "accumulate", "freeze", "cast", "cycle",
+         "replan")
 
 
 class Block(nn.Module):
@@ -207,6 +209,9 @@ def run_session(case: dict, applied: bool) -> tuple[list[tuple[str, torch.Tensor
         if kind.startswith("no_grad"):
             with torch.no_grad():
                 record.append((f"{position} no_grad loss", loss(model, case["family"], batch, seq, position)))
+            continue
+        if kind == "discard":
+            record.append((f"{position} discarded loss", loss(model, case["family"], batch, seq, position).detach()))
             continue
         optimizer.zero_grad(set_to_none=True)
         for micro in range(2 if kind == "accumulate" else 1):
