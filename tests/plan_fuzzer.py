@@ -8,7 +8,8 @@ Where tests/program_fuzzer.py draws the layers' programs, this draws what a user
   ``nn.Sequential``; 2 to 4 layers; float32, bfloat16 or float64;
 * plans: a uniform mode or a ``layers=`` dict of ranges (closed and open) with a single-index
   override inside one, modes drawn from all six (``swap`` runs on the stream-faithful ``sim``
-  backend), ``swap_inputs``, ``save_ops=`` and ``force_recompute=`` where a layer is selective;
+  backend), ``swap_inputs`` and ``swap_selective_outputs``, an adapter excluding a module from the
+  replay, ``save_ops=`` and ``force_recompute=`` where a layer is selective;
 * a session: training steps of random batch and sequence sizes, forwards under ``torch.no_grad`` in
   train and eval mode, a training forward whose graph is dropped unused, a training step in eval
   mode, gradients accumulated over two batches of different shapes, the first layer frozen or
@@ -44,6 +45,9 @@ WIDTH, VOCAB = 16, 64
 FORCED = {"llama": "mlp.*_proj", "gpt2": "mlp.c_fc", "bert": "intermediate.dense", "modulelist": "mlp.0",
           "sequential": "mlp.0"}
 """A ``force_recompute=`` pattern per family: a module inside each layer."""
+REGIONS = {"llama": hyperac.Adapter(region_patterns=("model.layers.*",), exclude_patterns=("*.self_attn",)),
+           "modulelist": hyperac.Adapter(region_patterns=("layers.*",), exclude_patterns=("*.stats",))}
+"""An adapter per family that has one here: recompute regions with a module excluded from the replay."""
 STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "discard", "accumulate", "freeze", "cast", "cycle",
          "replan")
 
@@ -143,6 +147,10 @@ def plans(draw: Callable, family: str, num_layers: int) -> dict:
     options.update(backend="sim", min_swap_bytes=0) if swapping else options.update(backend="cpu")
     if swapping and any(mode not in ("off", "swap") for mode in effective):
         options["swap_inputs"] = draw(st.booleans())
+    if swapping and any(mode in SELECTIVE_MODES for mode in effective):
+        options["swap_selective_outputs"] = draw(st.booleans())
+    if family in REGIONS and any(mode not in ("off", "swap") for mode in effective) and draw(st.booleans()):
+        options["adapter"] = REGIONS[family]
     if any(mode in SELECTIVE_MODES for mode in effective):
         if draw(st.booleans()):
             options["save_ops"] = draw(st.sampled_from([("aten::mm",), ("aten::mm", "aten::addmm"), ()]))
