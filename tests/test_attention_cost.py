@@ -58,3 +58,15 @@ def test_pointwise_keeps_attention_at_any_length():
     keeping, _ = applied_copy(model, mode="pointwise", backend="cpu",
                               save_ops=KEEPS_ATTENTION)
     assert measure(applied, loss) == measure(keeping, loss)
+
+
+def test_compiled_layers_recompute_attention_as_eager_ones_do():
+    """The rule reads only shapes, so ``compile=True`` layers decide as eager ones (FLOPs equal)."""
+    model, loss = tiny_llama(num_layers=LAYERS), lm_loss(batch=BATCH, seq=16)
+    eager, _ = applied_copy(model, mode="selective", backend="cpu")
+    compiled, _ = applied_copy(model, mode="selective", backend="cpu", compile=True)
+    for layer in compiled.model.layers:
+        layer.compile(backend="aot_eager")
+    keeping, _ = applied_copy(model, mode="selective", backend="cpu", save_ops=KEEPS_ATTENTION)
+    flops = measure(eager, loss)[1]
+    assert measure(compiled, loss)[1] == flops == measure(keeping, loss)[1] + LAYERS * attention_flops(16)
