@@ -13,8 +13,8 @@ Where tests/program_fuzzer.py draws the layers' programs, this draws what a user
 * a session: training steps of random batch and sequence sizes, forwards under ``torch.no_grad`` in
   train and eval mode, a training forward whose graph is dropped unused, a training step in eval
   mode, gradients accumulated over two batches of different shapes, the first layer frozen or
-  unfrozen, the model cast to another dtype, remove-then-apply cycles to a new plan, and to the
-  applied plan again through ``plan=``.
+  unfrozen, the model cast to another dtype, its ``state_dict`` saved and loaded back,
+  remove-then-apply cycles to a new plan, and to the applied plan again through ``plan=``.
 
 :func:`run_session` plays the session on the un-applied model and on an applied copy (for the
 latter each cycle removes and applies again) and :func:`compare` returns what differs bit for bit:
@@ -48,8 +48,8 @@ FORCED = {"llama": "mlp.*_proj", "gpt2": "mlp.c_fc", "bert": "intermediate.dense
 REGIONS = {"llama": hyperac.Adapter(region_patterns=("model.layers.*",), exclude_patterns=("*.self_attn",)),
            "modulelist": hyperac.Adapter(region_patterns=("layers.*",), exclude_patterns=("*.stats",))}
 """An adapter per family that has one here: recompute regions with a module excluded from the replay."""
-STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "discard", "accumulate", "freeze", "cast", "cycle",
-         "replan")
+STEPS = ("train", "train_in_eval", "no_grad", "no_grad_eval", "discard", "accumulate", "freeze", "cast", "checkpoint",
+         "cycle", "replan")
 
 
 class Block(nn.Module):
@@ -170,7 +170,7 @@ def cases(draw: Callable, max_steps: int = 5) -> dict:
             steps.append((kind, draw(plans(family, num_layers))))
         elif kind == "cast":
             steps.append((kind, draw(st.sampled_from(DTYPES))))
-        elif kind in ("freeze", "replan"):
+        elif kind in ("freeze", "checkpoint", "replan"):
             steps.append((kind,))
         else:
             steps.append((kind, draw(st.integers(1, 3)), draw(st.integers(2, 12))))
@@ -205,6 +205,11 @@ def run_session(case: dict, applied: bool) -> tuple[list[tuple[str, torch.Tensor
             continue
         if kind == "cast":
             model.to(arguments[0])
+            continue
+        if kind == "checkpoint":
+            state = {name: value.clone() for name, value in model.state_dict().items()}
+            record += [(f"{position} saved {name}", value) for name, value in state.items()]
+            model.load_state_dict(state)
             continue
         if kind == "freeze":
             for name, parameter in model.named_parameters():

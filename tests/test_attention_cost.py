@@ -4,7 +4,7 @@ layer's matmuls (NOTE [Attention kept by its cost per byte] in policy.py).
 A tiny HF Llama (hidden 64, 4 heads of 16 channels): an attention output element costs about
 ``4 * seq`` FLOPs, a projection's ``2 * 64``. At 16 tokens attention is the cheaper buy and is
 recomputed; at 64 it is kept. The reference keeps attention by naming it in ``save_ops`` with the
-matmuls, which hyperac's list otherwise equals on this model.
+matmuls, which hyperac's list otherwise equals on this model. ``compile=True`` layers decide alike.
 """
 
 from __future__ import annotations
