@@ -32,13 +32,14 @@ inside an eager region).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
 import importlib
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
 
-__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets"]
+__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
 
 _MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul",
@@ -222,13 +223,29 @@ def _matmul_flops_per_byte(op: Any, args: tuple) -> Any:
     return 2 * left.shape[-1] / left.element_size()
 
 
+_planned_length: contextvars.ContextVar[int] = contextvars.ContextVar("hyperac_planned_length", default=0)
+
+
+@contextlib.contextmanager
+def weighing_attention_at(length: int) -> Iterator[None]:
+    """Weigh attention (NOTE [Attention kept by its cost per byte]) as if its keys were at least
+    ``length`` long while entered: a plan made for ``max_seq_len`` profiles shorter samples, whose
+    kept bytes must grow with the length as they will up to ``max_seq_len``, not jump where attention
+    becomes worth keeping."""
+    token = _planned_length.set(length)
+    try:
+        yield
+    finally:
+        _planned_length.reset(token)
+
+
 def _attention_flops_per_byte(op: Any, args: tuple) -> Any:
     """FLOPs one byte of an attention output (per query and value channel) costs to recompute: the
     scores (``2 * key length * query channels``) and their product with the values (``2 * key length
     * value channels``), spread over the value channels. Causal masks are not discounted, as in
     PyTorch's flop counter."""
     query, key, value = args[:3]
-    key_length = key.shape[_key_sequence_dim(op)]
+    key_length = max(key.shape[_key_sequence_dim(op)], _planned_length.get())
     per_element = 2 * key_length * (query.shape[-1] + value.shape[-1]) / value.shape[-1]
     return per_element / query.element_size()
 
@@ -271,7 +288,11 @@ class SelectivePolicy:
     and compiled regions and in forward and replay (the replay follows the tape). Attention with no
     matmul before it in the region is kept, and so is every attention output in ``pointwise``, which
     recomputes only cheap ops. ``Config.save_ops`` names what to keep, attention included, and no
-    rule applies.
+    rule applies. A plan made for ``max_seq_len`` profiles shorter samples and fits its costs as
+    smooth functions of the length (NOTE [Costs as functions of the length] in planner/lengths.py),
+    so while it profiles attention is weighed at ``max_seq_len`` (:func:`weighing_attention_at`):
+    the fit then holds at ``max_seq_len``, and a shorter training batch that recomputes its attention
+    keeps less than planned, never more.
     """
 
     def __init__(self, ops: OpSets, mode: str = "selective", offload: bool = False) -> None:

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from hyperac_testing import applied_copy, assert_parity, lm_loss, measure, tiny_llama, train_step
 
+import hyperac
 from hyperac.measure import flop_counter
+from hyperac.planner.lengths import fitted_estimate, truncated
 
 LAYERS, BATCH, HEADS, HEAD_DIM = 2, 2, 4, 16
 KEEPS_ATTENTION = ("aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu")
@@ -70,3 +72,20 @@ def test_compiled_layers_recompute_attention_as_eager_ones_do():
     keeping, _ = applied_copy(model, mode="selective", backend="cpu", save_ops=KEEPS_ATTENTION)
     flops = measure(eager, loss)[1]
     assert measure(compiled, loss)[1] == flops == measure(keeping, loss)[1] + LAYERS * attention_flops(16)
+
+
+def test_a_plan_for_a_longer_length_weighs_attention_at_that_length():
+    """``max_seq_len=128`` planned from a 16-token sample (profiled at 8 and 16 tokens, where attention
+    alone would be recomputed): each layer's selective bytes at 128 are those estimated at 128
+    directly, where attention is kept, not a fit that leaves its output out."""
+    model = tiny_llama(num_layers=LAYERS)
+    ids = torch.randint(0, 128, (BATCH, 128), generator=torch.Generator().manual_seed(0))
+
+    def estimate_at(length, timed=False):
+        sample = truncated({"input_ids": ids, "labels": ids}, 1, length)
+        return hyperac.estimate(model, sample, backend="cpu")
+
+    fitted = fitted_estimate(estimate_at, 16, 128)
+    direct = estimate_at(128)
+    for mode in ("selective", "selective-even"):
+        assert [fit.kept_bytes[mode] for fit in fitted.layers] == [at.kept_bytes[mode] for at in direct.layers]

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, warn_once
+from ..policy import weighing_attention_at
 from ..state import AppliedState, Installed
 from .cost import Estimate
 
@@ -82,8 +83,9 @@ def fitted_estimate(estimate_at: Callable[[int, bool], Estimate], length: int, m
     """The estimate at ``max_seq_len`` from ``estimate_at(n, timed)`` at the sample's ``length``
     (timed) and at half of it (not timed; NOTE [Costs as functions of the length])."""
     half = max(length // 2, 1)
-    long = estimate_at(length, True)
-    return at_length(estimate_at(half, False), long, half, length, max_seq_len)
+    with weighing_attention_at(max_seq_len):  # the policy's choices at max_seq_len, at both lengths
+        long = estimate_at(length, True)
+        return at_length(estimate_at(half, False), long, half, length, max_seq_len)
 
 
 def at_length(short: Estimate, long: Estimate, short_length: int, long_length: int, target: int) -> Estimate:
