@@ -162,13 +162,17 @@ def _check_wrapped(layers: list[Layer], modes: list[str]) -> None:
             )
 
 
+def _swaps_by_option(config: Config, mode: str) -> bool:
+    """Whether a layer in ``mode`` takes part in swap by the swap options alone."""
+    return mode == "swap" or (config.swap_inputs and mode in RECOMPUTE_MODES) or (
+        config.swap_selective_outputs and mode in SELECTIVE_MODES)
+
+
 def _swap_flags(config: Config, backend: Backend, modes: list[str], notes: list[str],
                 planned: list[bool] | None) -> list[bool]:
     """Which layers take part in swap (``planned``: as ``mode="auto"`` chose, or as ``Config.plan``
     records). Swap is dropped, with a warning, where it cannot work."""
-    wanted = [mode == "swap" or (config.swap_inputs and mode in RECOMPUTE_MODES)
-              or (config.swap_selective_outputs and mode in SELECTIVE_MODES) or (planned is not None and planned[i])
-              for i, mode in enumerate(modes)]
+    wanted = [_swaps_by_option(config, mode) or (planned is not None and planned[i]) for i, mode in enumerate(modes)]
     if not any(wanted):
         return wanted
     if not backend.can_swap:
@@ -251,8 +255,16 @@ def apply(
     planned_swaps = None
     if config.plan is not None:
         modes = _modes_from_plan(config.plan, found)
-        if any(layer.swap for layer in config.plan.layers):  # the layers that offloaded offload again
-            modes, planned_swaps = plan_swaps(modes, [layer.swap for layer in config.plan.layers])
+        offloads = [layer.swap for layer in config.plan.layers]
+        if any(offloads):  # the layers that offloaded offload again
+            # The chain's last layer keeps its tensors and so is recorded as not swapping: a later layer
+            # the swap options put in the chain (a user plan with swap_inputs) was it; else, as in
+            # mode="auto" plans, the model's last layer is (NOTE [Swap in the plan]).
+            last_offload = max(i for i, offload in enumerate(offloads) if offload)
+            if any(_swaps_by_option(config, mode) for mode in modes[last_offload + 1:]):
+                planned_swaps = offloads
+            else:
+                modes, planned_swaps = plan_swaps(modes, offloads)
         if config.plan.buckets:  # switched by length again (NOTE [Plans per length bucket])
             prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets,
                           "batch_shape": config.plan.batch_shape, "seq_dim": config.sequence_dim}

@@ -212,8 +212,9 @@ class Config:
     mode: str = "full"
     """Default mode of each layer: ``"off"`` keeps every activation (``False``, YAML's reading of a
     bare ``off``, means the same), ``"full"`` keeps only the layer input and recomputes the layer in
-    backward, ``"selective"`` keeps the outputs of expensive ops (every other matmul, attention,
-    collectives) and recomputes the rest (``"selective-even"``: the other half of the matmuls),
+    backward, ``"selective"`` keeps the outputs of expensive ops (every other matmul, attention
+    where it costs as many FLOPs per byte as a matmul, collectives) and recomputes the rest
+    (``"selective-even"``: the other half of the matmuls),
     ``"pointwise"`` keeps every matmul's output too and
     recomputes only cheap ops (norms, activations, pointwise), ``"swap"`` recomputes nothing but keeps the tensors the
     layer saves for backward (those of at least ``min_swap_bytes``) in host memory."""

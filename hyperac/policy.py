@@ -8,8 +8,10 @@ the rest:
   alternate: the 1st, 3rd, 5th ... of each region are kept, the others recomputed
   (``selective-even`` keeps the 2nd, 4th ... instead; ``pointwise`` keeps them all and recomputes
   only cheap ops);
-* other compute-intensive ops (convolutions, bilinear upsampling), attention ops, collectives
-  and ``max`` (FP8 scaling reads it) are kept; the attention and collective overloads come from the backend, resolved
+* other compute-intensive ops (convolutions, bilinear upsampling), collectives and ``max`` (FP8
+  scaling reads it) are kept; attention ops are kept where recomputing them costs at least as many
+  FLOPs per kept byte as the layer's matmuls (NOTE [Attention kept by its cost per byte]); the
+  attention and collective overloads come from the backend, resolved
   when the policy is built, so kernels registered after import (a vendor extension, custom kernels)
   count;
 * ``topk`` is always recomputed: models (MoE routers) change its outputs in place;
@@ -30,13 +32,14 @@ inside an eager region).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
 import importlib
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,7 +52,7 @@ from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
 
-__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets"]
+__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
 
 _MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul",
@@ -57,6 +60,21 @@ _MATMUL_OPS = (
 )
 _ALWAYS_KEEP_OPS = ("aten::max.default", "aten::convolution", "aten::upsample_bilinear2d")
 _ALWAYS_RECOMPUTE_OPS = ("aten::topk",)
+_KEY_SEQUENCE_DIMS = {
+    "aten::_scaled_dot_product_flash_attention": -2,
+    "aten::_scaled_dot_product_flash_attention_for_cpu": -2,
+    "aten::_scaled_dot_product_efficient_attention": -2,
+    "aten::_scaled_dot_product_cudnn_attention": -2,
+    "aten::_scaled_dot_product_fused_attention_overrideable": -2,
+    "aten::_flash_attention_forward": -3,
+    "aten::_efficient_attention_forward": -3,
+}
+"""The dimension of ``key`` (the second argument) that is its sequence, for the attention kernels whose
+layout is known (``(batch, heads, seq, dim)``, or ``(batch, seq, heads, dim)`` and packed ``(tokens,
+heads, dim)``). FlexAttention's is ``-2`` too; other attention ops (a vendor's fused kernel with a
+layout argument) are always kept."""
+_ADDEND_FIRST_MATMULS = ("aten::addmm", "aten::baddbmm")
+"""Matmuls whose first argument is the addend, not the left matrix."""
 _UNANNOTATED_ALIAS_OPS = ("aten::_unsafe_view",)
 """aten ops whose output may share an input's storage although their schema does not say so."""
 _PROFILER_OPS = (
@@ -99,7 +117,7 @@ def _import_fsdp_ops() -> None:
 
 # What an op is to a policy. The recording and replay modes look each op up once per call, in a
 # per-OpSets table keyed by ``id(op)`` (hashing an OpOverload runs Python code; an int does not).
-_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP = range(5)
+_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP, _ATTENTION = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +135,9 @@ class OpSets:
     replayed (a replayed collective would run again on one rank only)."""
     save_ops: tuple[str, ...] | None = None
     """The ``Config.save_ops`` names the sets were resolved with (``None``: hyperac's own list)."""
+    attention: frozenset = frozenset()
+    """The attention ops among ``keep`` that the selective modes keep only where recomputing them costs
+    as much per byte as a matmul (NOTE [Attention kept by its cost per byte]); empty with ``save_ops``."""
 
     def __post_init__(self) -> None:
         # ``id(op) -> ((kind, written arguments, keyed, unannotated alias), op)``, filled as ops are
@@ -127,7 +148,8 @@ class OpSets:
 
     def __reduce__(self) -> tuple:
         # The cache is keyed by ids of this process: a copy or an unpickled OpSets starts empty.
-        return OpSets, (self.matmul, self.keep, self.recompute, self.ignored, self.communication, self.save_ops)
+        return OpSets, (self.matmul, self.keep, self.recompute, self.ignored, self.communication, self.save_ops,
+                        self.attention)
 
     def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool, bool]:
         """``(kind, written arguments, keyed, unannotated alias)`` of ``op``; cached. The last: its
@@ -142,6 +164,8 @@ class OpSets:
             kind = _RECOMPUTE
         elif op in self.matmul:
             kind = _MATMUL
+        elif op in self.attention:
+            kind = _ATTENTION
         elif op in self.keep:
             kind = _KEEP
         else:
@@ -178,8 +202,52 @@ def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -
         matmul = matmul & keep
     ignored = _all_overloads(_PROFILER_OPS + _FSDP_LIFECYCLE_OPS)
     keep = keep - matmul - recompute
+    attention = frozenset() if save_ops is not None else frozenset(
+        op for op in keep if _key_sequence_dim(op) is not None
+    )
     return OpSets(matmul=matmul, keep=keep, recompute=recompute, ignored=ignored,
-                  communication=backend.communication_ops() & keep, save_ops=save_ops)
+                  communication=backend.communication_ops() & keep, save_ops=save_ops, attention=attention)
+
+
+def _key_sequence_dim(op: Any) -> int | None:
+    """The sequence dimension of ``op``'s key argument, if ``op`` is an attention kernel of known layout."""
+    if op is getattr(torch.ops.higher_order, "flex_attention", None):
+        return -2
+    schema = getattr(op, "_schema", None)
+    return None if schema is None else _KEY_SEQUENCE_DIMS.get(schema.name)
+
+
+def _matmul_flops_per_byte(op: Any, args: tuple) -> Any:
+    """FLOPs one output byte of a matmul costs to recompute: ``2 * K`` per element."""
+    left = args[1] if op._schema.name in _ADDEND_FIRST_MATMULS else args[0]
+    return 2 * left.shape[-1] / left.element_size()
+
+
+_planned_length: contextvars.ContextVar[int] = contextvars.ContextVar("hyperac_planned_length", default=0)
+
+
+@contextlib.contextmanager
+def weighing_attention_at(length: int) -> Iterator[None]:
+    """Weigh attention (NOTE [Attention kept by its cost per byte]) as if its keys were at least
+    ``length`` long while entered: a plan made for ``max_seq_len`` profiles shorter samples, whose
+    kept bytes must grow with the length as they will up to ``max_seq_len``, not jump where attention
+    becomes worth keeping."""
+    token = _planned_length.set(length)
+    try:
+        yield
+    finally:
+        _planned_length.reset(token)
+
+
+def _attention_flops_per_byte(op: Any, args: tuple) -> Any:
+    """FLOPs one byte of an attention output (per query and value channel) costs to recompute: the
+    scores (``2 * key length * query channels``) and their product with the values (``2 * key length
+    * value channels``), spread over the value channels. Causal masks are not discounted, as in
+    PyTorch's flop counter."""
+    query, key, value = args[:3]
+    key_length = max(key.shape[_key_sequence_dim(op)], _planned_length.get())
+    per_element = 2 * key_length * (query.shape[-1] + value.shape[-1]) / value.shape[-1]
+    return per_element / query.element_size()
 
 
 def _named_ops(names: tuple[str, ...]) -> frozenset:
@@ -205,6 +273,26 @@ class SelectivePolicy:
 
     The policy decides only in forward; the replay follows the decisions recorded then, so forward
     and replay always agree.
+
+    NOTE [Attention kept by its cost per byte]
+    Keeping an op's output trades its bytes, held until backward, for the FLOPs of running it again.
+    A matmul's output element costs ``2 * K`` FLOPs (``K`` its inner dimension); an attention output
+    element costs about ``4 * key length`` (the scores, then their product with the values). So
+    attention is the better buy per byte at long sequences (Llama 8B at 8k tokens: 16k FLOPs per
+    element against 8k for its matmuls) and the worse one at short ones: torchtitan's llama3 debug
+    model at 64 tokens, 256 wide, spends 60 FLOPs per kept byte of attention against 128 for its
+    projections. The selective modes therefore keep an attention output only where it costs at least
+    as many FLOPs per byte as the cheapest matmul the region ran before it (the projections that made
+    its queries, keys and values), and recompute it otherwise, as Megatron-LM's selective recompute
+    does with attention that is cheap for its bytes. The rule reads only shapes, the same in eager
+    and compiled regions and in forward and replay (the replay follows the tape). Attention with no
+    matmul before it in the region is kept, and so is every attention output in ``pointwise``, which
+    recomputes only cheap ops. ``Config.save_ops`` names what to keep, attention included, and no
+    rule applies. A plan made for ``max_seq_len`` profiles shorter samples and fits its costs as
+    smooth functions of the length (NOTE [Costs as functions of the length] in planner/lengths.py),
+    so while it profiles attention is weighed at ``max_seq_len`` (:func:`weighing_attention_at`):
+    the fit then holds at ``max_seq_len``, and a shorter training batch that recomputes its attention
+    keeps less than planned, never more.
     """
 
     def __init__(self, ops: OpSets, mode: str = "selective", offload: bool = False) -> None:
@@ -212,20 +300,27 @@ class SelectivePolicy:
         self.num_matmuls = 0
         self.keep_every_matmul = mode == "pointwise"
         self.kept_parity = 0 if mode == "selective-even" else 1
+        self.cheapest_matmul: Any = None
+        """Fewest FLOPs per output byte of the region's matmuls so far (NOTE [Attention kept by its cost per byte])."""
         # Under compile, kept outputs of a swapping layer go to host memory (NOTE [Swap under torch.compile]).
         self.kept = CheckpointPolicy.MUST_CPU_OFFLOAD if offload else CheckpointPolicy.MUST_SAVE
 
-    def keeps(self, kind: int) -> bool:
-        """Whether the next op of ``kind`` (see :meth:`OpSets.classify`) keeps its output."""
+    def keeps(self, kind: int, op: Any, args: tuple) -> bool:
+        """Whether ``op(*args)``, of ``kind`` (see :meth:`OpSets.classify`), keeps its output."""
         if kind == _MATMUL:
             self.num_matmuls += 1
+            cost = _matmul_flops_per_byte(op, args)
+            self.cheapest_matmul = cost if self.cheapest_matmul is None else min(self.cheapest_matmul, cost)
             return self.keep_every_matmul or self.num_matmuls % 2 == self.kept_parity
+        if kind == _ATTENTION:
+            return (self.keep_every_matmul or self.cheapest_matmul is None
+                    or _attention_flops_per_byte(op, args) >= self.cheapest_matmul)
         return kind == _KEEP
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         """The decision for ``op`` in PyTorch's policy-function form."""
         kind = self.ops.classify(op)[0]
-        if self.keeps(kind):
+        if self.keeps(kind, op, args):
             return self.kept
         return CheckpointPolicy.MUST_RECOMPUTE if kind == _RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -390,12 +485,16 @@ class _RecordingMode(_EagerMode):
     alias made without any op (``.data``, ``set_``) escapes the check.
     """
 
-    def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[..., None] | None) -> None:
+    def __init__(self, tape: _Tape, policy: SelectivePolicy, on_save: Callable[[torch.Tensor], None] | None,
+                 on_watch: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         self.tape = tape
         self.policy = policy
         self.table = policy.ops.table
         self.on_save = on_save
+        """Called with each tensor kept (a swap group moves it to host memory)."""
+        self.on_watch = on_watch
+        """Called with each alias held to watch writes into a kept storage (an expected holder of it)."""
         self.kept_storages: dict[int, list[tuple[_Kept, int]]] = {}
         self.saves: _AutogradSaves | None = None
         self.collectives: set[int] = set()
@@ -434,7 +533,7 @@ class _RecordingMode(_EagerMode):
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
-        keeps = kind >= _MATMUL and not forced_recompute.get() and self.policy.keeps(kind)
+        keeps = kind >= _MATMUL and not forced_recompute.get() and self.policy.keeps(kind, func, args)
         self.tape.entries.append(self._keep(func, out) if keeps else None)
         if func in self.policy.ops.communication:
             self.collectives.add(len(self.tape.entries) - 1)
@@ -465,8 +564,8 @@ class _RecordingMode(_EagerMode):
             for kept, leaf in self.kept_storages.get(tensor.untyped_storage()._cdata, ()):
                 alias = torch_recompute._detach_helper(tensor)
                 kept.aliases.append((leaf, alias, alias._version))
-                if self.on_save is not None:
-                    self.on_save(alias, watcher=True)
+                if self.on_watch is not None:
+                    self.on_watch(alias)
 
     def _copy_before_write(self, writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
         for position, name in writes:
@@ -648,10 +747,14 @@ def selective_contexts(
     come back before the replay (NOTE [Swapping selective outputs] in swap.py).
     """
     tape = _Tape(layer, index)
-    on_save = None if swap_group is None else swap_group.register_cached
+    if swap_group is None:
+        recording = _RecordingMode(tape, SelectivePolicy(ops, mode), None)
+    else:
+        recording = _RecordingMode(tape, SelectivePolicy(ops, mode), swap_group.register_cached,
+                                   swap_group.register_watcher)
     before_replay = None if swap_group is None else swap_group.ensure_loaded
     return (
-        _RecordingMode(tape, SelectivePolicy(ops, mode), on_save),
+        recording,
         _ReplayMode(tape, ops, before_replay),
     )
 

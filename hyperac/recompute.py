@@ -21,7 +21,9 @@ queued on the region invocation's frame, with the RNG states as the module left 
 the module does not run: the queued output is returned, detached and with its ``requires_grad``
 flag, so the replay saves the same tensors, and the RNG states are set to the queued ones, so a
 dropout after the excluded module draws the same mask as in forward even when the excluded module
-itself drew random numbers (the replay runs inside the recompute's ``fork_rng``).
+itself drew random numbers (the replay runs inside the recompute's ``fork_rng``). Every replay
+returns the queued outputs (a second backward through a retained graph replays the region again),
+so they live as long as the region's graph does, not only until the first replay.
 """
 
 from __future__ import annotations
@@ -70,10 +72,13 @@ def _training(module: nn.Module) -> bool:
 
 
 class _RegionFrame:
-    """Outputs of the excluded modules of one region invocation, in call order per module."""
+    """Outputs of the excluded modules of one region invocation, in call order per module, and how
+    many of each the running replay has returned (every replay returns them all: a second backward
+    replays the region again)."""
 
     def __init__(self) -> None:
-        self.outputs: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self.outputs: dict[int, list] = collections.defaultdict(list)
+        self.returned: collections.Counter = collections.Counter()
         self.replaying = False
 
 
@@ -92,6 +97,7 @@ class _FrameScope:
 
     def __enter__(self) -> None:
         self.frame.replaying = self.replaying
+        self.frame.returned.clear()
         self.tokens.append(_current_frame.set(self.frame))
 
     def __exit__(self, *exc: Any) -> None:
@@ -430,7 +436,8 @@ class ExcludedForward(Override):
             return call(*args, **kwargs)
         queue = frame.outputs[id(module)]
         if frame.replaying:
-            output, states = queue.popleft()
+            output, states = queue[frame.returned[id(module)]]
+            frame.returned[id(module)] += 1
             set_rng_states(states)
             return _replayed(output)
         token = bypass_replay.set(True)

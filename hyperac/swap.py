@@ -427,20 +427,21 @@ class SwapGroup:
     def _live_saved(self) -> list[_Saved]:
         return [saved for ref in self.saved if (saved := ref()) is not None]
 
-    def register_cached(self, tensor: torch.Tensor, watcher: bool = False) -> None:
-        """Swap a tensor a selective policy keeps (NOTE [Swapping selective outputs]); with
-        ``watcher``, ``tensor`` is an alias the cache holds of a kept storage, not a kept output."""
-        if watcher:
-            entry = self.entries.get(tensor.untyped_storage()._cdata)
-            if entry is not None:
-                entry.watchers.append(weakref.ref(tensor))
-            return
+    def register_cached(self, tensor: torch.Tensor) -> None:
+        """Swap a tensor a selective policy keeps (NOTE [Swapping selective outputs])."""
         reason = self.manager.ineligible(tensor)
         if reason is not None:
             self.manager.stats.skipped[reason] += 1
             return
         with _quiet():
             self._entry(tensor.untyped_storage(), tensor.device, in_place=True).cached.append(weakref.ref(tensor))
+
+    def register_watcher(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``, an alias the selective cache holds of a kept storage to watch writes into
+        it, as an expected holder of that storage, not a sign that the storage escaped."""
+        entry = self.entries.get(tensor.untyped_storage()._cdata)
+        if entry is not None:
+            entry.watchers.append(weakref.ref(tensor))
 
     def close(self, protected: set[int]) -> None:
         """The layer's forward ended: start the device -> host copies (or keep everything)."""

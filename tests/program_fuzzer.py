@@ -259,8 +259,12 @@ def train(model: nn.Module, backward: str = "plain", loss_fn: Callable[[nn.Modul
     return record + [(f"state {n}", v.clone()) for n, v in model.state_dict().items()]
 
 
+_SAME_SIZE_INTEGERS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+                       torch.float16: torch.int16}
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
+    return t.view(_SAME_SIZE_INTEGERS[t.dtype]) if t.dtype in _SAME_SIZE_INTEGERS else t
 
 
 def differences(expected: list[tuple[str, torch.Tensor]], actual: list[tuple[str, torch.Tensor]]) -> list[str]:

@@ -133,10 +133,8 @@ def test_timm_conv_nets_keep_less_than_off(name):
 
 def test_torchtitan_llama3_keeps_less_than_off():
     """torchtitan's llama3 debug model (causal SDPA), hyperac applied as its ac_config. Needs
-    torchtitan (tox -e torchtitan). torchtitan's own SelectiveAC keeps less than hyperac's
-    ``selective`` here only because on the CPU it recomputes attention: its save list names the
-    CUDA/cuDNN/math SDPA kernels, not ``_scaled_dot_product_flash_attention_for_cpu``, while its
-    matmul choices are hyperac's (every other one)."""
+    torchtitan (tox -e torchtitan). The bound by torchtitan's own SelectiveAC is
+    tests/test_torchtitan.py::test_selective_keeps_no_more_than_torchtitans_selective_ac."""
     pytest.importorskip("torchtitan")
     import sys
     from pathlib import Path

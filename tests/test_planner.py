@@ -893,17 +893,22 @@ def test_peak_budget_bounds_the_peak_where_the_kept_budget_does_not(llama_estima
 
 
 def test_cost_model_ranks_uniform_modes_as_measured(llama3, llama_batch, llama_estimate):
-    """On this geometry (tiny layers: per-op dispatch dominates) the measured step-time order is
-    off < full < selective: the dispatch mode of selective recompute costs more than replaying the
-    whole layer. The estimate must rank them the same way. Measured as the planner measures (NOTE
-    [Timing on a drifting host]): interleaved rounds, each step after an untimed one of the same
-    mode, as a median of per-round ratios to ``off``; absolute times are not compared."""
+    """The estimate ranks off, full and selective by step time as a measurement does, wherever the
+    measurement can tell them apart. Measured as the planner measures (NOTE [Timing on a drifting
+    host]): interleaved rounds, each step after an untimed one of the same mode, as a median of
+    per-round ratios to ``off``; absolute times are not compared. A second ``off`` model in the same
+    rounds is the run's own noise: a pair of modes whose measured ratios differ by no more than the
+    largest per-round off-vs-off deviation is not ranked (a busy CI machine blurs them). What the
+    time is made of is checked without a clock: off replays nothing, selective less than full."""
     import statistics
     import time
 
     _, loss_fn = llama_batch
     count = len(llama_estimate.layers)
+    flops = {mode: llama_estimate.total_recompute_flops([mode] * count) for mode in ("off", "selective", "full")}
+    assert flops["off"] == 0 < flops["selective"] < flops["full"]
     models = {mode: applied_copy(llama3, mode=mode, backend="cpu")[0] for mode in ("off", "full", "selective")}
+    models["control"] = applied_copy(llama3, mode="off", backend="cpu")[0]
     times = {mode: [] for mode in models}
     for _ in range(7):
         for mode, model in models.items():
@@ -911,10 +916,14 @@ def test_cost_model_ranks_uniform_modes_as_measured(llama3, llama_batch, llama_e
             start = time.perf_counter()
             train_step(model, loss_fn)
             times[mode].append(time.perf_counter() - start)
-    measured = {mode: statistics.median(t / off for t, off in zip(values, times["off"])) for mode, values in
-                times.items()}
-    predicted = {mode: llama_estimate.step_seconds([mode] * count) for mode in models}
-    assert sorted(measured, key=measured.get) == sorted(predicted, key=predicted.get) == ["off", "full", "selective"]
+    ratios = {mode: [t / off for t, off in zip(values, times["off"])] for mode, values in times.items()}
+    noise = max(abs(ratio - 1) for ratio in ratios.pop("control"))
+    measured = {mode: statistics.median(values) for mode, values in ratios.items()}
+    predicted = {mode: llama_estimate.step_seconds([mode] * count) for mode in measured}
+    for first, second in itertools.combinations(measured, 2):
+        if abs(measured[first] - measured[second]) > noise:
+            assert (measured[first] < measured[second]) == (predicted[first] < predicted[second]), (
+                first, second, measured, predicted, noise)
 
 
 def test_device_profiles_cost_a_meta_geometry():

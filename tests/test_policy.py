@@ -294,6 +294,17 @@ def test_backward_twice_with_retained_graph(attention, mode):
     assert_parity(train_step(copy.deepcopy(_llama(attention)), loss_fn), train_step(model, loss_fn))
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_backward_twice_through_a_region_with_an_excluded_module(mode):
+    """An excluded module's queued output is returned by every replay of its region (NOTE [Excluded
+    modules]), not by the first only: the second backward replays the region again."""
+    model, loss_fn = _llama("sdpa"), lm_loss(batch=2, seq=8, vocab=128)
+    reference = _retained_step(copy.deepcopy(model), loss_fn)
+    hyperac.apply(model, mode=mode, backend="cpu",
+                  adapter=hyperac.Adapter(region_patterns=("model.layers.*",), exclude_patterns=("*.self_attn",)))
+    assert_parity(reference, _retained_step(model, loss_fn))
+
+
 @pytest.mark.parametrize("mode", ["full", *SELECTIVE])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_double_backward_through_gradients(attention, mode):

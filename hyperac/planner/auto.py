@@ -59,7 +59,8 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
         model.train()  # on meta, maybe a prefix of the layers: NOTE [A prefix of a deep stack]
         profiles = profiled_stack(model, layers, on_meta, lambda profiled: profile_modes(
             model, sample, [layer.module for layer in profiled], ESTIMATE_MODES, _mixed_runner(model, profiled, runner),
-            rounds=TIMED_ROUNDS if timed and not on_meta else 0, synchronize=backend.synchronize,
+            rounds=TIMED_ROUNDS if timed and not on_meta else 0,
+            synchronize=lambda: backend.synchronize(getattr(next(model.parameters(), None), "device", None)),
         ))
     if not on_meta:
         return build_estimate(layers, profiles, timing=f"measured on {backend.name}",

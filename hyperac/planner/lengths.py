@@ -46,6 +46,7 @@ import torch
 
 from ..errors import ConfigError
 from ..plan import LengthBucket
+from ..policy import weighing_attention_at
 from .cost import ESTIMATE_MODES, Estimate
 from .solver import choose_modes
 
@@ -107,8 +108,9 @@ def fitted_estimates(estimate_at: Callable[[int, bool], Estimate], length: int, 
     """The estimate at each of ``bounds`` from ``estimate_at(n, timed)`` at the sample's ``length``
     (timed) and at half of it (not timed; NOTE [Costs as functions of the length])."""
     half = max(length // 2, 1)
-    long = estimate_at(length, True)
-    short = estimate_at(half, False)
+    with weighing_attention_at(bounds[-1]):  # the policy's choices at max_seq_len, at both lengths
+        long = estimate_at(length, True)
+        short = estimate_at(half, False)
     return [at_length(short, long, half, length, bound) for bound in bounds]
 
 
