@@ -16,7 +16,7 @@ from hyperac_testing import applied_copy, assert_parity, lm_loss, measure, tiny_
 
 import hyperac
 from hyperac.measure import flop_counter
-from hyperac.planner.lengths import fitted_estimate, truncated
+from hyperac.planner.lengths import fitted_estimates, truncated
 
 LAYERS, BATCH, HEADS, HEAD_DIM = 2, 2, 4, 16
 KEEPS_ATTENTION = ("aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu")
@@ -85,7 +85,7 @@ def test_a_plan_for_a_longer_length_weighs_attention_at_that_length():
         sample = truncated({"input_ids": ids, "labels": ids}, 1, length)
         return hyperac.estimate(model, sample, backend="cpu")
 
-    fitted = fitted_estimate(estimate_at, 16, 128)
+    (fitted,) = fitted_estimates(estimate_at, 16, [128])
     direct = estimate_at(128)
     for mode in ("selective", "selective-even"):
         assert [fit.kept_bytes[mode] for fit in fitted.layers] == [at.kept_bytes[mode] for at in direct.layers]
