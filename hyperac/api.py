@@ -203,7 +203,7 @@ def apply(
     mode: str = _D["mode"],
     backend: Any = _D["backend"],
     layers: Any = _D["layers"],
-    compile: bool = _D["compile"],
+    compile: bool | str = _D["compile"],
     swap_inputs: bool = _D["swap_inputs"],
     swap_selective_outputs: bool = _D["swap_selective_outputs"],
     min_swap_bytes: int = _D["min_swap_bytes"],
@@ -255,7 +255,7 @@ def apply(
         modes, planned_swaps, prediction = compiled_auto_modes(
             model, found, config.budget, config.sample,
             _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
-            chosen_backend, TIMED_ROUNDS)
+            chosen_backend, TIMED_ROUNDS, config.compile)
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),

@@ -20,8 +20,11 @@ torch 2.13 has the pieces but nothing connects them: ``MUST_CPU_OFFLOAD`` is rea
 partitioner treats the node as untagged), and ``torch._functorch.config.enable_activation_offloading``
 offloads only nodes marked ``should_offload``, which nothing sets. The pass and the options live
 in ``torch._functorch.config``, which is process-wide and read when a graph is compiled (after
-dynamo traced the layer, outside hyperac's code), so they cannot be scoped to one call. apply sets
-them while any applied model swaps under compile, and remove restores what was there before:
+dynamo traced the layer, outside hyperac's code), so they cannot be scoped to one call. They are
+reference-counted per applied model instead: each applied model that swaps under compile holds an
+:class:`OffloadLease` in its state, a copy of the model (``copy.deepcopy``, pickle) takes a lease of
+its own, and the options stay set while any lease is held; the last one released (by ``remove``,
+or when its model is garbage-collected unremoved) restores what was there before:
 
 * the pass chains after a pass the user set (``joint_custom_pass``), never replaces it, and marks
   only nodes carrying hyperac's tags, so graphs of other models are unchanged;
@@ -38,6 +41,7 @@ tests inspect them there); the stream path needs an accelerator.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,8 +50,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import TorchVersionError
 
-__all__ = ["MECHANISMS", "OffloadMarker", "mechanism_note", "offloading_available", "release_offloading",
-           "require_offloading"]
+__all__ = ["MECHANISMS", "OffloadLease", "OffloadMarker", "mechanism_note", "offloading_available",
+           "release_offloading", "require_offloading"]
 
 MECHANISMS = {
     "full": "checkpoint region (backward replays every op)",
@@ -80,7 +84,7 @@ def offloading_available() -> bool:
 class OffloadMarker:
     """The joint-graph pass: ``*_CPU_OFFLOAD`` tags become the ``should_offload`` marker (NOTE [Swap
     under torch.compile]). Runs the pass it replaced first; restores the options it changed when the
-    last applied model that needs it is removed."""
+    last :class:`OffloadLease` on it is released."""
 
     def __init__(self, previous: dict[str, Any]) -> None:
         self.previous = previous
@@ -101,11 +105,30 @@ class OffloadMarker:
         return graph
 
 
-def require_offloading(link_bandwidth: float, separate_stream: bool) -> OffloadMarker:
+class OffloadLease:
+    """One applied model's hold on activation offloading (NOTE [Swap under torch.compile]): taken at
+    apply, released by :meth:`release` (remove) or when dropped unreleased (the model was
+    garbage-collected). A copy (``copy.deepcopy``, pickle) is a new lease with the same settings, so
+    a copied model keeps offloading after the original is removed, also in another process."""
+
+    def __init__(self, link_bandwidth: float, separate_stream: bool) -> None:
+        self.settings = (link_bandwidth, separate_stream)
+        marker = _acquire(link_bandwidth, separate_stream)
+        self.release = weakref.finalize(self, _release, marker)
+
+    def __reduce__(self) -> tuple:
+        return OffloadLease, self.settings
+
+
+def require_offloading(link_bandwidth: float, separate_stream: bool) -> OffloadLease:
     """Turn on activation offloading with hyperac's marker pass (NOTE [Swap under torch.compile]);
     ``link_bandwidth`` in bytes/s sizes the reload prefetch; ``separate_stream``: copy on a side
-    stream (an accelerator; on CPU the synchronous ``device_put`` path). Returns the marker, to hand back to
-    :func:`release_offloading` at remove."""
+    stream (an accelerator; on CPU the synchronous ``device_put`` path). Returns the applied model's
+    lease, to hand back to :func:`release_offloading` at remove."""
+    return OffloadLease(link_bandwidth, separate_stream)
+
+
+def _acquire(link_bandwidth: float, separate_stream: bool) -> OffloadMarker:
     if not offloading_available():
         raise TorchVersionError(
             f"swap under compile=True needs torch's activation offloading (torch._functorch.config."
@@ -125,8 +148,13 @@ def require_offloading(link_bandwidth: float, separate_stream: bool) -> OffloadM
     return marker
 
 
-def release_offloading(marker: OffloadMarker) -> None:
-    """Undo one :func:`require_offloading`; the last one restores the options as they were."""
+def release_offloading(lease: OffloadLease) -> None:
+    """Undo one :func:`require_offloading`; the last one restores the options as they were. Releasing
+    a lease twice releases it once."""
+    lease.release()
+
+
+def _release(marker: OffloadMarker) -> None:
     marker.users -= 1
     config = torch._functorch.config
     if marker.users == 0 and config.joint_custom_pass is marker:

@@ -95,6 +95,17 @@ def _check_bool(field: str, value: Any) -> None:
         )
 
 
+def _check_compile(value: Any) -> None:
+    if _is_strict_bool(value):
+        return
+    if not isinstance(value, str) or value not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(
+            f"Config.compile must be a bool or the name of a torch.compile backend "
+            f"({', '.join(torch._dynamo.list_backends())}), got "
+            f"{value!r} of type {type(value).__name__}; e.g. compile=True (Inductor) or compile='aot_eager'."
+        )
+
+
 def _check_byte_count(field: str, value: Any, allow_none: bool) -> None:
     if value is None and allow_none:
         return
@@ -229,10 +240,12 @@ class Config:
     ``off`` above); ranges that overlap each other are an error. A mapping of container path to a
     mode or to such an index mapping."""
 
-    compile: bool = False
+    compile: bool | str = False
     """The layers will run under ``torch.compile``: each mode becomes a mechanism the compiler
     traces (checkpoint regions, selective-checkpoint tags, activation offloading for swap; see
-    hyperac/compiled.py), and ``mode="auto"`` plans for compiled layers."""
+    hyperac/compiled.py), and ``mode="auto"`` plans for compiled layers, timing them compiled with
+    the backend they will be compiled with: ``True`` is torch.compile's default (``"inductor"``), a
+    string names another (``"aot_eager"``: ``torch._dynamo.list_backends()``)."""
 
     swap_inputs: bool = False
     """Layers that recompute keep their inputs in host memory between forward and backward (copies
@@ -300,8 +313,9 @@ class Config:
                 f"Config.mode must be one of {', '.join(repr(m) for m in (*MODES, 'auto'))}, got {self.mode!r}; "
                 "e.g. mode='selective'."
             )
-        for field in ("compile", "swap_inputs", "swap_selective_outputs"):
+        for field in ("swap_inputs", "swap_selective_outputs"):
             _check_bool(field, getattr(self, field))
+        _check_compile(self.compile)
         _check_byte_count("min_swap_bytes", self.min_swap_bytes, allow_none=False)
         _check_byte_count("host_budget_bytes", self.host_budget_bytes, allow_none=True)
         from .adapters import Adapter

@@ -55,6 +55,16 @@ class RecordingBackend:
         return [sum(1 for node in graph.graph.nodes if node.target is op) for graph in graphs]
 
 
+COUNTING_GRAPHS: list[torch.fx.GraphModule] = []
+
+
+@torch._dynamo.register_backend(name="hyperac_test_counting")
+def counting_backend(graph, inputs):
+    """``aot_eager_decomp_partition`` that notes each graph it compiles in :data:`COUNTING_GRAPHS`."""
+    COUNTING_GRAPHS.append(graph)
+    return torch._dynamo.lookup_backend("aot_eager_decomp_partition")(graph, inputs)
+
+
 def compiled_step(model, loss_fn, options, backend):
     """Apply ``options`` (``None``: leave hyperac out), compile each layer, run one step; also its FLOPs."""
     if options is not None:
@@ -328,24 +338,25 @@ def test_swap_under_compile_needs_activation_offloading(base_model, monkeypatch)
 
 
 def test_auto_plans_for_compiled_layers(loss_fn):
-    """``mode="auto"`` with ``compile=True`` measures the layers compiled: the budget is a fraction of
-    what compiled ``off`` saves, the plan fits it, and its predicted saved bytes are what the layers
-    save when compiled as a user compiles them (within 5%)."""
-    from hyperac.planner.compiled import PROFILE_BACKEND
-
+    """``mode="auto"`` with ``compile=`` a backend measures the layers compiled with that backend (the
+    one they will run under): the budget is a fraction of what compiled ``off`` saves, the plan fits
+    it, and its predicted saved bytes are what the layers save when compiled as a user compiles them
+    (within 5%)."""
+    COUNTING_GRAPHS.clear()
     base = tiny_llama(num_layers=4, hidden_size=32, intermediate_size=64, use_cache=False)
     off = copy.deepcopy(base)
     for layer in off.model.layers:
-        layer.compile(backend=PROFILE_BACKEND)
+        layer.compile(backend="aot_eager_decomp_partition")
     off_bytes = compiled_saved_bytes(off, loss_fn)
     torch._dynamo.reset()
     model = copy.deepcopy(base)
-    plan = hyperac.apply(model, mode="auto", compile=True, budget=0.5, sample=loss_fn)
+    plan = hyperac.apply(model, mode="auto", compile="hyperac_test_counting", budget=0.5, sample=loss_fn)
+    assert len(COUNTING_GRAPHS) >= 5, "each of the five modes is timed compiled with the backend named"
     assert plan.predicted_peak_bytes is None and "saved for backward by the compiled layers" in str(plan)
     assert abs(plan.budget_bytes - 0.5 * off_bytes) <= 0.05 * off_bytes, (plan.budget_bytes, off_bytes)
     assert {layer.mode for layer in plan.layers} != {"off"}
     for layer in model.model.layers:
-        layer.compile(backend=PROFILE_BACKEND)
+        layer.compile(backend="aot_eager_decomp_partition")
     measured = compiled_saved_bytes(model, loss_fn)
     assert measured <= plan.budget_bytes * 1.05
     assert abs(measured - plan.predicted_bytes) <= 0.05 * measured, (measured, plan.predicted_bytes)
@@ -380,3 +391,32 @@ def test_swap_inputs_under_compile_is_ignored_with_a_warning(base_model):
     plan = hyperac.apply(model, mode="selective", swap_inputs=True, swap_selective_outputs=True, compile=True,
                          backend="sim")
     assert all(layer.swap for layer in plan.layers[:-1]), plan
+
+
+def test_copy_of_a_swapping_model_keeps_offloading_after_the_original_is_removed(loss_fn):
+    """NOTE [Swap under torch.compile]: torch's offloading options are held per applied model, copies
+    included. ``copy.deepcopy(applied)`` then ``remove(original)`` leaves the copy offloading in its
+    compiled graph with unchanged gradients; the options go back when the last holder is removed, or
+    garbage-collected unremoved."""
+    import gc
+
+    from hyperac.backends.sim import SimBackend
+
+    config = torch._functorch.config
+    model = tiny_llama(num_layers=3, hidden_size=32, intermediate_size=64, use_cache=False)
+    expected = train_step(copy.deepcopy(model), loss_fn)
+    hyperac.apply(model, mode="swap", compile=True, backend=SimBackend(), min_swap_bytes=0)
+    twin = copy.deepcopy(model)
+    hyperac.remove(model)
+    assert config.enable_activation_offloading and callable(config.joint_custom_pass)
+    recorder = RecordingBackend()
+    for layer in twin.model.layers:
+        layer.compile(backend=recorder.backend)
+    assert_parity(expected, train_step(twin, loss_fn), exact=True)
+    assert any(n.name.startswith("cpu_offload_") for g in recorder.forward_graphs for n in g.graph.nodes)
+    third = copy.deepcopy(twin)
+    hyperac.remove(twin)
+    assert config.enable_activation_offloading, "the third copy still holds the options"
+    del third
+    gc.collect()
+    assert not config.enable_activation_offloading and config.joint_custom_pass is None

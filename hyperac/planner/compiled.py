@@ -4,8 +4,8 @@ The eager profile (:mod:`.profile`) measures what eager layers keep and how long
 compiled layer keeps less (the partitioner saves only what backward reads, and recomputes cheap
 ops even in ``off``) and runs at another speed, so a plan made from the eager profile spends its
 budget on the wrong layers. Here every mode is applied uniformly with ``compile=True``, each
-layer compiled as a user compiles it (``layer.compile()``, :data:`PROFILE_BACKEND`), and per mode
-the profile reads, from whole compiled steps:
+layer compiled as a user compiles it (``layer.compile()``, with the backend ``Config.compile``
+names: :func:`compile_backend`), and per mode the profile reads, from whole compiled steps:
 
 * the bytes the step saves for backward: ``saved_tensors_hooks`` around it, distinct storages,
   parameters excluded. No module hook or dispatch mode may be active (either changes the compiled
@@ -22,8 +22,19 @@ The solver is the eager one, bounding the bytes kept for backward (``bound="kept
 a fraction of compiled ``off``'s saved bytes (or bytes), which is what a compiled graph's memory
 knob (``activation_memory_budget``) is a fraction of too. Swap options are not offered: a compiled
 swap offloads what the layer keeps (NOTE [Swap under torch.compile] in compiled.py), which this
-profile does not price. Timing uses :data:`PROFILE_BACKEND`, which partitions as Inductor does but
-generates no code: seconds compare modes, they are not Inductor's.
+profile does not price.
+
+NOTE [Timing with the user's backend]
+The modes are timed compiled with the backend the layers will run under, not a cheaper stand-in.
+AOTAutograd without code generation (``aot_eager_decomp_partition``) partitions as Inductor does,
+but it runs every recomputed pointwise op as its own kernel, where Inductor fuses them into the
+backward's kernels; so it prices recomputing pointwise ops (``pointwise``, and what the other
+selective modes recompute besides matmuls) well above what they cost under Inductor, and ranks
+the modes wrongly: on the demo model under a budget of torch's 0.75, it chose ``ssso`` (1.056x
+the step of torch's own budget), where Inductor's seconds choose ``ppps``. The price is compiling
+each mode with that backend while planning: with Inductor on CPU about 10 s more than
+``aot_eager_decomp_partition`` for the demo model (the five modes' graphs; a layer plan's graphs
+are cached, so compiling the chosen plan afterwards reuses them).
 """
 
 from __future__ import annotations
@@ -46,10 +57,12 @@ from .profile import _loss
 from .restore import side_effects_undone
 from .solver import choose_modes
 
-__all__ = ["PROFILE_BACKEND", "compiled_auto_modes", "compiled_estimate"]
+__all__ = ["compile_backend", "compiled_auto_modes", "compiled_estimate"]
 
-PROFILE_BACKEND = "aot_eager_decomp_partition"
-"""AOTAutograd with Inductor's decompositions and min-cut partitioner, without code generation."""
+
+def compile_backend(compile: bool | str) -> str:
+    """The ``torch.compile`` backend ``Config.compile`` names: ``True`` is torch.compile's default."""
+    return "inductor" if compile is True else compile
 
 
 class _Compiled:
@@ -57,11 +70,11 @@ class _Compiled:
     (``layer.compile()``); :meth:`restore` undoes both."""
 
     def __init__(self, run_mode: Callable[[str], Callable[[], None]], layer_modules: Sequence[nn.Module],
-                 mode: str) -> None:
+                 mode: str, compiler: str) -> None:
         self.layer_modules = layer_modules
         self.undo = run_mode(mode)
         for module in layer_modules:
-            module.compile(backend=PROFILE_BACKEND)
+            module.compile(backend=compiler)
 
     def restore(self) -> None:
         for module in self.layer_modules:
@@ -120,9 +133,10 @@ def _timed_step(model: nn.Module, sample: Any, synchronize: Callable[[], None]) 
 
 
 def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], run_mode: Callable,
-                      backend: Any, rounds: int) -> Estimate:
+                      backend: Any, rounds: int, compiler: str) -> Estimate:
     """The cost model of compiled layers (module docstring); ``run_mode(mode)`` applies ``mode``
-    with ``compile=True`` to every layer and returns the undo."""
+    with ``compile=True`` to every layer and returns the undo; ``compiler``: the torch.compile
+    backend the layers are compiled with (NOTE [Timing with the user's backend])."""
     modules = [layer.module for layer in layers]
     saved, flops, readings = {}, {}, {mode: [] for mode in ESTIMATE_MODES}
     order = list(ESTIMATE_MODES)
@@ -133,7 +147,7 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
             for mode in order:
                 if round_ == 0:
                     flops[mode] = _step_flops(model, sample, run_mode(mode))
-                compiled = _Compiled(run_mode, modules, mode)
+                compiled = _Compiled(run_mode, modules, mode, compiler)
                 try:
                     if round_ == 0:
                         _step(model, sample)  # compiles
@@ -156,14 +170,14 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
         )
         for layer in layers
     )
-    return Estimate(estimates, 0, flops["off"], timing=f"compiled steps ({PROFILE_BACKEND}) on {backend.name}")
+    return Estimate(estimates, 0, flops["off"], timing=f"compiled steps ({compiler}) on {backend.name}")
 
 
 def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, run_mode: Callable,
-                        backend: Any, rounds: int) -> tuple[list[str], list[bool], dict[str, Any]]:
+                        backend: Any, rounds: int, compile: bool | str) -> tuple[list[str], list[bool], dict[str, Any]]:
     """``mode="auto"`` under ``compile=True``: per-layer modes (no swap) and the plan's predictions;
-    the budget bounds the bytes the compiled step saves for backward."""
-    estimate = compiled_estimate(model, sample, layers, run_mode, backend, rounds)
+    the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``."""
+    estimate = compiled_estimate(model, sample, layers, run_mode, backend, rounds, compile_backend(compile))
     budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))
     chosen = choose_modes(estimate, budget_bytes, ESTIMATE_MODES, bound="kept")
     return chosen, [False] * len(chosen), {
