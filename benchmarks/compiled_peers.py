@@ -7,8 +7,9 @@ seeded Llama is deep-copied per configuration and every decoder layer compiled t
 * ``off`` and ``off-control``: no recompute, twice: their ratio is the noise floor of the run;
 * ``torch B``: torch's ``activation_memory_budget = B`` (the min-cut partitioner's knapsack, one
   budget per layer graph) for B in {0.5, 0.75};
-* ``hyperac B``: ``hyperac.apply(mode="auto", compile=True, budget=<torch B's saved bytes>)``: the
-  planner gets exactly the bytes torch's budget saved, so both are held to the same number.
+* ``hyperac B``: ``hyperac.apply(mode="auto", compile=<the backend>, budget=<torch B's saved
+  bytes>)``: the planner times the modes compiled with the backend the layers then run under, and
+  gets exactly the bytes torch's budget saved, so both are held to the same number.
 
 Saved bytes: what a step saves for backward (``saved_tensors_hooks``, distinct storages,
 parameters excluded), read after a first step (which compiles). Step time: interleaved rounds, one
@@ -82,7 +83,7 @@ def saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
 def compiled(base: nn.Module, backend: Backend, ids: torch.Tensor, **options: Any) -> tuple[nn.Module, Any]:
     """A copy of ``base`` (hyperac applied with ``options`` if any), each layer compiled, warmed up."""
     model = copy.deepcopy(base)
-    plan = hyperac.apply(model, compile=True, backend="cpu", **options) if options else None
+    plan = hyperac.apply(model, compile=backend.name, backend="cpu", **options) if options else None
     for layer in model.model.layers:
         layer.compile(backend=backend)
     step(model, ids)

@@ -45,7 +45,7 @@ from ._hf import CACHE_KWARGS
 from .backends import Backend
 from .buffers import BufferSnapshots
 from .config import SELECTIVE_MODES
-from .errors import InputWrittenError, UnsupportedModelError
+from .errors import InputWrittenError, UnsupportedModelError, warn_once
 from .policy import (
     OpSets,
     bypass_replay,
@@ -380,13 +380,19 @@ class RecomputedForward(Override):
         module, call = self.module_and_forward()
         if not _training(module):
             return call(*args, **kwargs)
-        region = _Region(call, kwargs, self)
-        start = functools.partial(self._start, region, kwargs)
         if torch.compiler.is_compiling() and not self._untraceable():
-            return start(args)()
+            cached = [name for name in CACHE_KWARGS if kwargs.get(name) is not None]
+            if not cached:
+                return self._start(_Region(call, kwargs, self), kwargs, args)()
+            return _eager_region(functools.partial(_cache_under_compile, self, cached[0], call, args, kwargs))
         # Outside the graph even when not tracing: a compiled model that fell back to eager at a
         # graph break would otherwise compile this frame (NOTE [Eager regions under torch.compile]).
-        return _eager_region(functools.partial(region.run_watched, start, args, self.swap is not None))
+        return _eager_region(functools.partial(self.run_eagerly, call, args, kwargs))
+
+    def run_eagerly(self, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The region, run eagerly, with its inputs watched (NOTE [Inputs written in place])."""
+        region = _Region(call, kwargs, self)
+        return region.run_watched(functools.partial(self._start, region, kwargs), args, self.swap is not None)
 
     def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
         """What runs the region's forward on ``args``: the recompute, within the swap if any."""
@@ -488,6 +494,29 @@ def install_forced_recompute(module: nn.Module, owner: AppliedState, fqn: str) -
 # everything the compiler cannot trace does; the rest of the model is compiled. Full recompute
 # without swap or buffers has no context and is traced, as are ``compile=True`` layers (see
 # ``policy.compile_context_fn``).
+
+
+# NOTE [KV caches under torch.compile]
+# A ``compile=True`` layer called with a KV cache in a training forward (a cache passed in; HF's
+# ``use_cache=True`` is already turned off in training, NOTE [KV caches in training] in _hf.py)
+# cannot be traced: its region keeps the cache as it was for the replay (NOTE [KV caches in
+# replays]), a side effect dynamo refuses inside ``torch.utils.checkpoint``, and dynamo would give up
+# on the whole region, silently. So such a region runs eagerly outside the graph, with one warning
+# per model naming the layer and the fix: it still keeps what its mode keeps (PyTorch's selective
+# checkpoint contexts work eagerly too), but the layer is not compiled.
+
+
+def _cache_under_compile(override: RecomputedForward, cache: str, call: Callable[..., Any], args: tuple,
+                         kwargs: dict[str, Any]) -> Any:
+    """Run a compiled layer's region that got a KV cache eagerly, warning once per model (NOTE [KV
+    caches under torch.compile])."""
+    warn_once(
+        f"compile=True layer {override.fqn!r} was called with a KV cache ({cache}=) in a training forward: "
+        "a region holding a cache cannot be traced, so such layers run eagerly, outside the compiled graph. Train "
+        "without a cache: use_cache=False (or model.config.use_cache = False) and no past_key_values/cache argument.",
+        override.owner.warned, stacklevel=5, key="kv cache under compile",
+    )
+    return override.run_eagerly(call, args, kwargs)
 
 
 @torch._disable_dynamo

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from hyperac_testing import assert_parity, saved_for_backward, tiny_llama, train_step
+from hyperac_testing import assert_parity, lm_loss, saved_for_backward, tiny_llama, train_step
 
 import hyperac
 from hyperac.measure import flop_counter
@@ -420,3 +420,34 @@ def test_copy_of_a_swapping_model_keeps_offloading_after_the_original_is_removed
     del third
     gc.collect()
     assert not config.enable_activation_offloading and config.joint_custom_pass is None
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_kv_cache_under_compile_warns_once_and_keeps_gradients(base_model, mode):
+    """NOTE [KV caches under torch.compile]: a compiled layer given a KV cache in a training forward
+    cannot be traced; it runs eagerly outside the graph with one warning per model naming the layer
+    and the fix, and gradients equal the un-applied model's on the same cache; without a cache the
+    layers stay compiled (no graph break)."""
+    from torch._dynamo.utils import counters
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def cached_loss(model):
+        return model(input_ids=ids, labels=ids, cache=DynamicCache(config=model.config)).loss
+
+    expected = train_step(copy.deepcopy(base_model), cached_loss)
+    model = copy.deepcopy(base_model)
+    hyperac.apply(model, mode=mode, compile=True)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    with pytest.warns(hyperac.HyperACWarning) as caught:
+        first = train_step(model, cached_loss)
+        train_step(model, cached_loss)
+    about_compile = [str(w.message) for w in caught if "cannot be traced" in str(w.message)]
+    assert len(about_compile) == 1, about_compile
+    assert "compile=True layer 'model.layers.0'" in about_compile[0] and "use_cache=False" in about_compile[0]
+    assert_parity(expected, first, exact=True)
+    counters.clear()
+    train_step(model, lm_loss(batch=2, seq=16))
+    assert not counters["graph_break"], dict(counters["graph_break"])
