@@ -35,6 +35,7 @@ import os
 import random
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -103,10 +104,13 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
         models[f"torch {budget}"], _ = compiled(base, Backend(backend_name, budget), ids)
     for label, model in models.items():
         saved[label] = saved_bytes(model, ids)
+    planning: dict[str, float] = {}
     for budget in BUDGETS:
         label = f"hyperac {budget}"
+        start = time.perf_counter()
         models[label], plans[label] = compiled(base, Backend(backend_name), ids, mode="auto", sample=sample,
                                                budget=saved[f"torch {budget}"])
+        planning[label] = time.perf_counter() - start
         saved[label] = saved_bytes(models[label], ids)
     times: dict[str, list[float]] = {label: [] for label in models}
     order = list(models)
@@ -121,7 +125,9 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
     off = saved["off"]
     lines = [f"## {name}: hidden {geometry['hidden']}, {geometry['layers']} layers, seq {geometry['seq']}, "
              f"batch {geometry['batch']}; {backend_name}, per-layer compile, {rounds} rounds", "",
-             f"off-control / off step: {ratio('off-control', 'off'):.3f}x (the noise floor)", "",
+             f"off-control / off step: {ratio('off-control', 'off'):.3f}x (the noise floor); apply(mode='auto') "
+             f"+ compile + first step: {', '.join(f'{seconds:.0f} s' for seconds in planning.values())} (wall, "
+             f"load average {os.getloadavg()[0]:.1f})", "",
              "| budget | torch: saved (x off) | hyperac auto: plan | saved (x off) | predicted / saved | "
              "step hyperac / torch | result |", "|---|---|---|---|---|---|---|"]
     passed = True
