@@ -98,10 +98,10 @@ def _check_bool(field: str, value: Any) -> None:
 def _check_compile(value: Any) -> None:
     if _is_strict_bool(value):
         return
-    if not isinstance(value, str) or value not in torch._dynamo.list_backends(exclude_tags=()):
+    if not isinstance(value, str) or value not in torch.compiler.list_backends(exclude_tags=()):
         raise ConfigError(
             f"Config.compile must be a bool or the name of a torch.compile backend "
-            f"({', '.join(torch._dynamo.list_backends())}), got "
+            f"({', '.join(torch.compiler.list_backends())}), got "
             f"{value!r} of type {type(value).__name__}; e.g. compile=True (Inductor) or compile='aot_eager'."
         )
 
@@ -245,7 +245,7 @@ class Config:
     traces (checkpoint regions, selective-checkpoint tags, activation offloading for swap; see
     hyperac/compiled.py), and ``mode="auto"`` plans for compiled layers, timing them compiled with
     the backend they will be compiled with: ``True`` is torch.compile's default (``"inductor"``), a
-    string names another (``"aot_eager"``: ``torch._dynamo.list_backends()``)."""
+    string names another (``"aot_eager"``: ``torch.compiler.list_backends(exclude_tags=())``)."""
 
     swap_inputs: bool = False
     """Layers that recompute keep their inputs in host memory between forward and backward (copies
