@@ -8,6 +8,9 @@ run inside a graph, so each mode maps to a mechanism the compiler itself honours
   checkpoint contexts around hyperac's counting policy: its decisions become the ``recompute`` tags
   of the op nodes, which the partitioner obeys (NOTE [Selective recompute under torch.compile] in
   policy.py), so the three keep what their eager versions keep and differ in saved bytes;
+* ``knapsack-0.25``, ``knapsack-0.5``, ``knapsack-0.75``: no checkpoint region; the layer's graph
+  gets torch's own partitioner knapsack at that activation budget (NOTE [Knapsack layers]). These
+  exist only compiled: eagerly the layer keeps what ``off`` keeps;
 * swap: torch's activation offloading. The policy tags what a swapping layer keeps with
   ``CheckpointPolicy.MUST_CPU_OFFLOAD`` (``PREFER_CPU_OFFLOAD`` for a ``swap`` layer, which keeps
   what the partitioner would keep anyway), and :class:`OffloadMarker`, a joint-graph pass, turns
@@ -36,6 +39,22 @@ or when its model is garbage-collected unremoved) restores what was there before
 
 The copies are ``device_put`` nodes: on CPU they are present in the graph but move nothing (the
 tests inspect them there); the stream path needs an accelerator.
+
+NOTE [Knapsack layers]
+hyperac's own compiled menu tags ops by kind (matmuls saved, pointwise ops recomputed), so it
+cannot express the saved set torch's min-cut knapsack finds for a layer (on the hidden-512 Llama,
+q/k after RoPE and the norms' rsqrt saved, where ``pointwise`` saves the projections and
+recomputes RoPE and the norm reductions). A ``knapsack-b`` layer runs its forward inside
+``torch.autograd.graph.region_activation_memory_budget(b)`` (a prototype in torch 2.13), which
+gives that graph the budget torch's global ``activation_memory_budget`` would: ``b`` of the way
+from recomputing everything (0) to the partitioner's default saved set (1). torch accepts the
+annotation only when it covers every forward op of a graph, so the region starts with a graph
+break: under per-layer compile (``layer.compile()``) the layer's graph is the region; under
+whole-model compile the model's graph splits around each knapsack layer (``fullgraph=True``
+refuses such a plan). A region takes a budget or a selective-checkpoint policy, not both (torch
+rejects the mix), so these layers have no checkpoint region. The grid 0.25 / 0.5 / 0.75 lies
+between hyperac's other options (one-layer Llama, hidden 64: off 302 KB, knapsack 236 / 211 /
+153 KB, full 104 KB) and costs ``mode="auto"`` three more compiled modes to time.
 """
 
 from __future__ import annotations
@@ -48,16 +67,20 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .errors import TorchVersionError
+from .config import KNAPSACK_MODES
+from .errors import ConfigError, TorchVersionError
 
-__all__ = ["MECHANISMS", "OffloadLease", "OffloadMarker", "mechanism_note", "offloading_available",
-           "release_offloading", "require_offloading"]
+__all__ = ["MECHANISMS", "OffloadLease", "OffloadMarker", "knapsack_available", "mechanism_note",
+           "offloading_available", "release_offloading", "require_knapsack", "require_offloading"]
 
 MECHANISMS = {
     "full": "checkpoint region (backward replays every op)",
     "selective": "SAC tags: odd matmuls and attention MUST_SAVE, the rest recomputed",
     "selective-even": "SAC tags: even matmuls and attention MUST_SAVE, the rest recomputed",
     "pointwise": "SAC tags: every matmul and attention MUST_SAVE, pointwise ops recomputed",
+    "knapsack-0.25": "torch's partitioner knapsack at budget 0.25 for the layer's graph",
+    "knapsack-0.5": "torch's partitioner knapsack at budget 0.5 for the layer's graph",
+    "knapsack-0.75": "torch's partitioner knapsack at budget 0.75 for the layer's graph",
     "swap": "activation offloading: kept tensors tagged MUST_CPU_OFFLOAD (swap layers PREFER_) -> should_offload",
 }
 """What ``compile=True`` compiles each mode to (``print(plan)`` shows the modes a plan uses)."""
@@ -73,6 +96,28 @@ def mechanism_note(modes: Sequence[str], swaps: Sequence[bool]) -> str:
     if any(swaps):
         parts.append(f"swap = {MECHANISMS['swap']}")
     return "under torch.compile: " + "; ".join(parts) if parts else "under torch.compile: nothing to change"
+
+
+def knapsack_available() -> bool:
+    """Whether this torch gives one compiled region its own activation budget (NOTE [Knapsack layers])."""
+    return hasattr(torch.autograd.graph, "region_activation_memory_budget")
+
+
+def require_knapsack(modes: Sequence[str], compile: bool | str) -> None:
+    """Refuse knapsack modes without ``compile`` (:class:`ConfigError`) or on a torch without
+    region budgets (:class:`TorchVersionError`)."""
+    used = sorted({mode for mode in modes if mode in KNAPSACK_MODES})
+    if used and not compile:
+        raise ConfigError(
+            f"the modes {used} are torch's partitioner knapsack, which exists only in a compiled graph, but "
+            "Config.compile is False; apply with compile=True (or a backend name) and compile the layers, or "
+            "use an eager mode such as 'selective' for those layers."
+        )
+    if used and not knapsack_available():
+        raise TorchVersionError(
+            f"the modes {used} need torch.autograd.graph.region_activation_memory_budget, which torch "
+            f"{torch.__version__} lacks; use torch 2.13 or newer, or a mode such as 'pointwise' for those layers."
+        )
 
 
 def offloading_available() -> bool:

@@ -12,9 +12,12 @@ import torch
 from .budget import parse_budget
 from .errors import ConfigError
 
-__all__ = ["MODES", "Config", "LayerRule", "LayerSpec"]
+__all__ = ["KNAPSACK_MODES", "MODES", "Config", "LayerRule", "LayerSpec"]
 
-MODES = ("off", "full", "selective", "selective-even", "pointwise", "swap")
+KNAPSACK_MODES = {"knapsack-0.25": 0.25, "knapsack-0.5": 0.5, "knapsack-0.75": 0.75}
+"""Modes that exist only under ``compile=True``, by the activation budget they give the layer's
+graph: torch's partitioner knapsack (NOTE [Knapsack layers] in compiled.py)."""
+MODES = ("off", "full", "selective", "selective-even", "pointwise", "swap", *KNAPSACK_MODES)
 SELECTIVE_MODES = ("selective", "selective-even", "pointwise")
 RECOMPUTE_MODES = ("full", *SELECTIVE_MODES)
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")

@@ -10,8 +10,10 @@ from .errors import ConfigError
 
 __all__ = ["MODE_LETTERS", "LayerPlan", "Plan", "mode_letters"]
 
-MODE_LETTERS = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F", "swap": "w"}
-"""One letter per mode, for writing a plan in a line: ``FFoo`` is full recompute on layers 0-1."""
+MODE_LETTERS = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F", "swap": "w",
+                "knapsack-0.25": "2", "knapsack-0.5": "5", "knapsack-0.75": "7"}
+"""One letter per mode, for writing a plan in a line: ``FFoo`` is full recompute on layers 0-1; a
+knapsack mode is the first digit of its budget (``55oo``: budget 0.5 on layers 0-1)."""
 
 
 def mode_letters(modes: Sequence[str]) -> str:
@@ -32,7 +34,8 @@ class LayerPlan:
     """Dotted name of the layer."""
     mode: str
     """One of :data:`hyperac.config.MODES`: ``off``, ``full``, ``selective``, ``selective-even``,
-    ``pointwise`` or ``swap`` (``mode="auto"`` resolves to these per layer)."""
+    ``pointwise``, ``swap``, or under ``compile=True`` ``knapsack-0.25/0.5/0.75`` (``mode="auto"``
+    resolves to these per layer)."""
     recomputed: tuple[str, ...] = ()
     """Dotted names of the modules replayed in backward: the layer itself, or regions inside it."""
     excluded: tuple[str, ...] = ()
@@ -96,7 +99,8 @@ class Plan:
     def summary(self) -> str:
         """One line: backend, adapter and how many layers got each mode."""
         counts = ", ".join(
-            f"{n} {mode}" for mode in ("full", "selective", "selective-even", "pointwise", "swap", "off")
+            f"{n} {mode}" for mode in ("full", "selective", "selective-even", "pointwise", "knapsack-0.25",
+                                       "knapsack-0.5", "knapsack-0.75", "swap", "off")
             if (n := self.count(mode))
         )
         swapping = sum(1 for layer in self.layers if layer.swap)

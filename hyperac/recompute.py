@@ -44,7 +44,7 @@ from ._compat import SAC_CHECKPOINT_KWARGS
 from ._hf import CACHE_KWARGS
 from .backends import Backend
 from .buffers import BufferSnapshots
-from .config import SELECTIVE_MODES
+from .config import KNAPSACK_MODES, SELECTIVE_MODES
 from .errors import InputWrittenError, UnsupportedModelError, warn_once
 from .policy import (
     OpSets,
@@ -60,8 +60,8 @@ from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 
 __all__ = [
-    "RecomputeContext", "build_context_fn", "install_exclusion", "install_forced_recompute", "install_recompute",
-    "install_swap",
+    "RecomputeContext", "build_context_fn", "install_exclusion", "install_forced_recompute", "install_knapsack",
+    "install_recompute", "install_swap",
 ]
 
 
@@ -426,6 +426,27 @@ class SwappedForward(Override):
         return _eager_region(run) if torch.compiler.is_compiling() else run()
 
 
+class KnapsackForward(Override):
+    """Give the module's compiled graph torch's partitioner knapsack at the budget of ``mode`` (NOTE [Knapsack
+    layers] in compiled.py); run eagerly, or not training, its own forward runs untouched."""
+
+    def __init__(self, module: nn.Module, owner: AppliedState, fqn: str, mode: str) -> None:
+        super().__init__(module, owner, fqn)
+        self.mode = mode  # a string, which dynamo guards as a constant (a float attribute turns symbolic)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, call = self.module_and_forward()
+        if not (_training(module) and torch.compiler.is_compiling()):
+            return call(*args, **kwargs)
+        return self._in_region(*args, **kwargs)
+
+    def _in_region(self, *args: Any, **kwargs: Any) -> Any:
+        torch._dynamo.graph_break()  # the budget must cover a whole graph: the layer's own
+        _, call = self.module_and_forward()
+        with torch.autograd.graph.region_activation_memory_budget(KNAPSACK_MODES[self.mode]):
+            return call(*args, **kwargs)
+
+
 class ExcludedForward(Override):
     """Keep the module out of the replay of the region around it (NOTE [Excluded modules])."""
 
@@ -473,6 +494,12 @@ def install_recompute(
 def install_swap(module: nn.Module, owner: AppliedState, fqn: str, swap: LayerSwap) -> None:
     """Keep the tensors ``module`` saves for backward in host memory (sets ``module.forward``)."""
     SwappedForward(module, owner, fqn, swap).install()
+
+
+def install_knapsack(module: nn.Module, owner: AppliedState, fqn: str, mode: str) -> None:
+    """Give ``module``'s compiled graph torch's knapsack at the budget of ``mode``, one of
+    :data:`~hyperac.config.KNAPSACK_MODES` (sets ``module.forward``)."""
+    KnapsackForward(module, owner, fqn, mode).install()
 
 
 def install_exclusion(module: nn.Module, owner: AppliedState, fqn: str) -> None:

@@ -16,7 +16,12 @@ names: :func:`compile_backend`), and per mode the profile reads, from whole comp
 * the seconds of a step, in interleaved rounds, relative to ``off`` per round (NOTE [Timing on a
   drifting host] in :mod:`.profile`), shared evenly by the layers;
 * the FLOPs replayed: the step's FLOPs over ``off``'s, shared evenly by the layers, counted on an
-  eager step of the same mode (the compiled menu replays what the eager one does).
+  eager step of the same mode (the compiled menu replays what the eager one does). The knapsack
+  modes (NOTE [Knapsack layers] in compiled.py) replay what the partitioner chooses inside the
+  graph, which no eager step shows: their replayed FLOPs count as 0 in the plan's prediction.
+
+The options are :data:`~hyperac.planner.cost.ESTIMATE_MODES` and, where this torch gives a region
+its own budget, the knapsack modes.
 
 The solver is the eager one, bounding the bytes kept for backward (``bound="kept"``): a budget is
 a fraction of compiled ``off``'s saved bytes (or bytes), which is what a compiled graph's memory
@@ -49,6 +54,8 @@ import torch
 from torch import nn
 
 from ..budget import parse_budget
+from ..compiled import knapsack_available
+from ..config import KNAPSACK_MODES
 from ..discovery import Layer
 from ..measure import flop_counter
 from .cost import ESTIMATE_MODES, Estimate, LayerEstimate
@@ -56,7 +63,12 @@ from .profile import _loss
 from .restore import side_effects_undone
 from .solver import choose_modes
 
-__all__ = ["compile_backend", "compiled_auto_modes", "compiled_estimate"]
+__all__ = ["compile_backend", "compiled_auto_modes", "compiled_estimate", "compiled_options"]
+
+
+def compiled_options() -> tuple[str, ...]:
+    """The per-layer options of a compiled plan: the eager menu, and torch's knapsack where it exists."""
+    return ESTIMATE_MODES + tuple(KNAPSACK_MODES) if knapsack_available() else ESTIMATE_MODES
 
 
 def compile_backend(compile: bool | str) -> str:
@@ -137,8 +149,9 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     with ``compile=True`` to every layer and returns the undo; ``compiler``: the torch.compile
     backend the layers are compiled with (NOTE [Timing with the user's backend])."""
     modules = [layer.module for layer in layers]
-    saved, flops, readings = {}, {}, {mode: [] for mode in ESTIMATE_MODES}
-    order = list(ESTIMATE_MODES)
+    options = compiled_options()
+    saved, flops, readings = {}, {}, {mode: [] for mode in options}
+    order = list(options)
     with side_effects_undone(model, backend.device_type):
         model.train()
         for round_ in range(rounds + 1):
@@ -158,14 +171,14 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     # NOTE [Timing on a drifting host] in profile.py: per round, each mode relative to off.
     off_seconds = statistics.median(readings["off"])
     seconds = {m: off_seconds * statistics.median(t / o for t, o in zip(readings[m], readings["off"]))
-               for m in ESTIMATE_MODES}
+               for m in options}
     count = len(layers)
     estimates = tuple(
         LayerEstimate(
             index=layer.index, fqn=layer.fqn,
-            kept_bytes={m: saved[m] // count for m in ESTIMATE_MODES},
-            recompute_flops={m: max(flops[m] - flops["off"], 0) // count for m in ESTIMATE_MODES},
-            seconds={m: seconds[m] / count for m in ESTIMATE_MODES},
+            kept_bytes={m: saved[m] // count for m in options},
+            recompute_flops={m: max(flops[m] - flops["off"], 0) // count for m in options},
+            seconds={m: seconds[m] / count for m in options},
         )
         for layer in layers
     )
@@ -178,7 +191,7 @@ def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, 
     the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``."""
     estimate = compiled_estimate(model, sample, layers, run_mode, backend, rounds, compile_backend(compile))
     budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))
-    chosen = choose_modes(estimate, budget_bytes, ESTIMATE_MODES, bound="kept")
+    chosen = choose_modes(estimate, budget_bytes, compiled_options(), bound="kept")
     return chosen, [False] * len(chosen), {
         "predicted_bytes": estimate.total_bytes(chosen),
         "predicted_step_seconds": estimate.step_seconds(chosen),
