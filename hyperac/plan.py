@@ -120,14 +120,15 @@ class Plan:
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.fqn) for layer in self.layers])
         found = max([len("found by")] + [len(layer.found_by) for layer in self.layers])
+        modes = max([9] + [len(layer.mode) for layer in self.layers])  # knapsack-0.25 is longer than the rest
         lines = [
             self.summary(),
-            f"{'#':>4}  {'layer':<{width}}  {'found by':<{found}}  {'mode':<9}  {'swap':<4}  recomputed",
+            f"{'#':>4}  {'layer':<{width}}  {'found by':<{found}}  {'mode':<{modes}}  {'swap':<4}  recomputed",
         ]
         for layer in self.layers:
             swap = "yes" if layer.swap else "-"
             lines.append(
-                f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.found_by:<{found}}  {layer.mode:<9}  {swap:<4}  "
+                f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.found_by:<{found}}  {layer.mode:<{modes}}  {swap:<4}  "
                 f"{_describe_targets(layer)}"
             )
         if self.predicted_bytes is not None and self.predicted_peak_bytes is None:  # compiled: saved bytes
@@ -166,6 +167,8 @@ def _layer_from_dict(position: int, layer: Any, shape: str) -> LayerPlan:
 
 
 def _describe_targets(layer: LayerPlan) -> str:
+    if layer.mode.startswith("knapsack-"):
+        return "what torch's partitioner picks (compiled)"
     if not layer.recomputed:
         return "-"
     if layer.recomputed == (layer.fqn,):
