@@ -330,6 +330,7 @@ def test_knapsack_plan_round_trips_and_needs_compile(base_model):
     plan = hyperac.apply(model, layers={0: "knapsack-0.75", 1: "full"}, compile=True)
     assert mode_letters([layer.mode for layer in plan.layers]) == "7F"
     assert "1 full, 1 knapsack-0.75" in plan.summary()
+    assert "knapsack-0.75  -     what torch's partitioner picks (compiled)" in str(plan)
     data = json.loads(json.dumps(plan.to_dict()))
     assert hyperac.Plan.from_dict(data) == plan
     other = copy.deepcopy(base_model)
