@@ -7,8 +7,9 @@ seeded Llama is deep-copied per configuration and every decoder layer compiled t
 * ``off`` and ``off-control``: no recompute, twice: their ratio is the noise floor of the run;
 * ``torch B``: torch's ``activation_memory_budget = B`` (the min-cut partitioner's knapsack, one
   budget per layer graph) for B in {0.5, 0.75};
-* ``hyperac B``: ``hyperac.apply(mode="auto", compile=True, budget=<torch B's saved bytes>)``: the
-  planner gets exactly the bytes torch's budget saved, so both are held to the same number.
+* ``hyperac B``: ``hyperac.apply(mode="auto", compile=<the backend>, budget=<torch B's saved
+  bytes>)``: the planner times the modes compiled with the backend the layers then run under, and
+  gets exactly the bytes torch's budget saved, so both are held to the same number.
 
 Saved bytes: what a step saves for backward (``saved_tensors_hooks``, distinct storages,
 parameters excluded), read after a first step (which compiles). Step time: interleaved rounds, one
@@ -34,6 +35,7 @@ import os
 import random
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -82,7 +84,7 @@ def saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
 def compiled(base: nn.Module, backend: Backend, ids: torch.Tensor, **options: Any) -> tuple[nn.Module, Any]:
     """A copy of ``base`` (hyperac applied with ``options`` if any), each layer compiled, warmed up."""
     model = copy.deepcopy(base)
-    plan = hyperac.apply(model, compile=True, backend="cpu", **options) if options else None
+    plan = hyperac.apply(model, compile=backend.name, backend="cpu", **options) if options else None
     for layer in model.model.layers:
         layer.compile(backend=backend)
     step(model, ids)
@@ -102,10 +104,13 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
         models[f"torch {budget}"], _ = compiled(base, Backend(backend_name, budget), ids)
     for label, model in models.items():
         saved[label] = saved_bytes(model, ids)
+    planning: dict[str, float] = {}
     for budget in BUDGETS:
         label = f"hyperac {budget}"
+        start = time.perf_counter()
         models[label], plans[label] = compiled(base, Backend(backend_name), ids, mode="auto", sample=sample,
                                                budget=saved[f"torch {budget}"])
+        planning[label] = time.perf_counter() - start
         saved[label] = saved_bytes(models[label], ids)
     times: dict[str, list[float]] = {label: [] for label in models}
     order = list(models)
@@ -120,7 +125,9 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
     off = saved["off"]
     lines = [f"## {name}: hidden {geometry['hidden']}, {geometry['layers']} layers, seq {geometry['seq']}, "
              f"batch {geometry['batch']}; {backend_name}, per-layer compile, {rounds} rounds", "",
-             f"off-control / off step: {ratio('off-control', 'off'):.3f}x (the noise floor)", "",
+             f"off-control / off step: {ratio('off-control', 'off'):.3f}x (the noise floor); apply(mode='auto') "
+             f"+ compile + first step: {', '.join(f'{seconds:.0f} s' for seconds in planning.values())} (wall, "
+             f"load average {os.getloadavg()[0]:.1f})", "",
              "| budget | torch: saved (x off) | hyperac auto: plan | saved (x off) | predicted / saved | "
              "step hyperac / torch | result |", "|---|---|---|---|---|---|---|"]
     passed = True

@@ -399,7 +399,7 @@ def compiled_peer(rounds: int) -> list[str]:
             torch._dynamo.reset()
             ours = copy.deepcopy(base)
             hyperac.apply(ours, mode="auto", budget=budget, sample={"input_ids": ids, "labels": ids}, backend="cpu",
-                          compile=True)
+                          compile=backend)
             ours = torch.compile(ours, backend=backend)
             step(ours, ids)
             our_saved, our_time = saved_bytes(ours), statistics.median(step(ours, ids) for _ in range(rounds))

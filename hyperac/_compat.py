@@ -43,6 +43,10 @@ and reads and writes FX node ``meta["recompute"]`` / ``meta["should_offload"]``;
 that the options and ``CheckpointPolicy.MUST_CPU_OFFLOAD`` exist (``compiled.offloading_available``)
 and raises :class:`~hyperac.errors.TorchVersionError` where they do not.
 
+The knapsack modes under ``compile=True`` (NOTE [Knapsack layers] in compiled.py) use the prototype
+``torch.autograd.graph.region_activation_memory_budget``; where it is missing ``mode="auto"`` leaves
+them out of the menu and applying one raises :class:`~hyperac.errors.TorchVersionError`.
+
 ``torch._C._dynamo.eval_frame.set_eval_frame`` (torch.compile's frame hook) lets the eager
 recording and replay modes turn frame compilation off once per region (NOTE [Dispatch modes and
 torch.compile] in policy.py); where it is missing they keep torch's per-op guard.
@@ -263,6 +267,19 @@ def _probe_tensor_base() -> str | None:
     return None if base[1:]._base is base and base._base is None else "Tensor._base is not a view's base"
 
 
+def _probe_region_budget() -> str | None:
+    import torch.fx.traceback as fx_traceback
+
+    budget = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
+    if budget is None or not hasattr(fx_traceback, "MEMORY_BUDGET_ANNOTATION_KEY"):
+        return "torch.autograd.graph has no region_activation_memory_budget (or fx.traceback no MEMORY_BUDGET key)"
+    try:
+        budget(0.5)
+    except RuntimeError:  # outside torch.compile it refuses: the prototype hyperac was written against
+        return None
+    return "region_activation_memory_budget no longer refuses eager use; check what it means outside a graph"
+
+
 def _probe_local_scalar_dense_on_meta() -> str | None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -297,6 +314,8 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
         _probe_hook_dicts),
     "nn.Module._buffers": ("buffers.py (buffer snapshots restored in place)", _probe_buffers_dict),
     "Tensor._base": ("swap.py (views of parameters stay on the device)", _probe_tensor_base),
+    "torch.autograd.graph.region_activation_memory_budget (prototype)": (
+        "compiled.py (knapsack modes under compile=True)", _probe_region_budget),
     "aten::_local_scalar_dense on meta (answered by a dispatch mode)": (
         "planner/profile.py (.item() of a meta model's tensors)", _probe_local_scalar_dense_on_meta),
 }

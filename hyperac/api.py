@@ -14,8 +14,8 @@ from torch import nn
 from . import _compat, _hf
 from .adapters import Adapter, find_adapter, resolve_regions
 from .backends import Backend, get_backend
-from .compiled import mechanism_note, require_offloading
-from .config import MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
+from .compiled import mechanism_note, require_knapsack, require_offloading
+from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
 from .layer_modes import assign_modes, reversible_note
@@ -32,7 +32,14 @@ from .planner import (
 from .planner.auto import TIMED_ROUNDS, link_bandwidth
 from .planner.compiled import compiled_auto_modes
 from .policy import OpSets, resolve_op_sets
-from .recompute import build_context_fn, install_exclusion, install_forced_recompute, install_recompute, install_swap
+from .recompute import (
+    build_context_fn,
+    install_exclusion,
+    install_forced_recompute,
+    install_knapsack,
+    install_recompute,
+    install_swap,
+)
 from .state import STATE_KEY, AppliedState, find_owned, install_hook, undo
 from .swap import LayerSwap, SwapManager, SwapStats, default_host_budget
 
@@ -207,7 +214,7 @@ def apply(
     mode: str = _D["mode"],
     backend: Any = _D["backend"],
     layers: Any = _D["layers"],
-    compile: bool = _D["compile"],
+    compile: bool | str = _D["compile"],
     swap_inputs: bool = _D["swap_inputs"],
     swap_selective_outputs: bool = _D["swap_selective_outputs"],
     min_swap_bytes: int = _D["min_swap_bytes"],
@@ -272,7 +279,7 @@ def apply(
         modes, planned_swaps, prediction = compiled_auto_modes(
             model, found, config.budget, config.sample,
             _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
-            chosen_backend, TIMED_ROUNDS)
+            chosen_backend, TIMED_ROUNDS, config.compile)
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
@@ -294,6 +301,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     ``planned``: by or for ``mode="auto"``, so training forwards build no KV cache unless a layer
     swaps (NOTE [KV caches in training] in _hf.py)."""
     _check_wrapped(found, modes)
+    require_knapsack(modes, config.compile)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
     notes: list[str] = reversible_note(found) + prediction.pop("notes", [])
@@ -400,6 +408,10 @@ def _install(
 
     for index, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
         if mode == "off" or (mode == "swap" and not swap) or id(layer.module) in installed:
+            continue
+        if mode in KNAPSACK_MODES:  # NOTE [Knapsack layers] in compiled.py
+            claim(layer.module)
+            install_knapsack(layer.module, state, layer.fqn, mode)
             continue
         if config.compile:  # NOTE [Swap under torch.compile] in compiled.py
             _install_compiled(layer, mode, swap and index != last_swap, regions, backend, ops, state, claim)

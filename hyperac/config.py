@@ -12,9 +12,12 @@ import torch
 from .budget import parse_budget
 from .errors import ConfigError
 
-__all__ = ["MODES", "Config", "LayerRule", "LayerSpec"]
+__all__ = ["KNAPSACK_MODES", "MODES", "Config", "LayerRule", "LayerSpec"]
 
-MODES = ("off", "full", "selective", "selective-even", "pointwise", "swap")
+KNAPSACK_MODES = {"knapsack-0.25": 0.25, "knapsack-0.5": 0.5, "knapsack-0.75": 0.75}
+"""Modes that exist only under ``compile=True``, by the activation budget they give the layer's
+graph: torch's partitioner knapsack (NOTE [Knapsack layers] in compiled.py)."""
+MODES = ("off", "full", "selective", "selective-even", "pointwise", "swap", *KNAPSACK_MODES)
 SELECTIVE_MODES = ("selective", "selective-even", "pointwise")
 RECOMPUTE_MODES = ("full", *SELECTIVE_MODES)
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
@@ -92,6 +95,17 @@ def _check_bool(field: str, value: Any) -> None:
     if not _is_strict_bool(value):
         raise ConfigError(
             f"Config.{field} must be a bool (True or False), got {value!r} of type {type(value).__name__}."
+        )
+
+
+def _check_compile(value: Any) -> None:
+    if _is_strict_bool(value):
+        return
+    if not isinstance(value, str) or value not in torch.compiler.list_backends(exclude_tags=()):
+        raise ConfigError(
+            f"Config.compile must be a bool or the name of a torch.compile backend "
+            f"({', '.join(torch.compiler.list_backends())}), got "
+            f"{value!r} of type {type(value).__name__}; e.g. compile=True (Inductor) or compile='aot_eager'."
         )
 
 
@@ -230,10 +244,12 @@ class Config:
     ``off`` above); ranges that overlap each other are an error. A mapping of container path to a
     mode or to such an index mapping."""
 
-    compile: bool = False
+    compile: bool | str = False
     """The layers will run under ``torch.compile``: each mode becomes a mechanism the compiler
     traces (checkpoint regions, selective-checkpoint tags, activation offloading for swap; see
-    hyperac/compiled.py), and ``mode="auto"`` plans for compiled layers."""
+    hyperac/compiled.py), and ``mode="auto"`` plans for compiled layers, timing them compiled with
+    the backend they will be compiled with: ``True`` is torch.compile's default (``"inductor"``), a
+    string names another (``"aot_eager"``: ``torch.compiler.list_backends(exclude_tags=())``)."""
 
     swap_inputs: bool = False
     """Layers that recompute keep their inputs in host memory between forward and backward (copies
@@ -309,8 +325,9 @@ class Config:
                 f"Config.mode must be one of {', '.join(repr(m) for m in (*MODES, 'auto'))}, got {self.mode!r}; "
                 "e.g. mode='selective'."
             )
-        for field in ("compile", "swap_inputs", "swap_selective_outputs"):
+        for field in ("swap_inputs", "swap_selective_outputs"):
             _check_bool(field, getattr(self, field))
+        _check_compile(self.compile)
         _check_byte_count("min_swap_bytes", self.min_swap_bytes, allow_none=False)
         _check_byte_count("host_budget_bytes", self.host_budget_bytes, allow_none=True)
         from .adapters import Adapter

@@ -55,11 +55,13 @@ class HyperACWarning(UserWarning):
     """An option that has no effect here, or a fallback hyperac chose for the user."""
 
 
-def warn_once(message: str, given: set[str], stacklevel: int = 3) -> None:
-    """Emit ``message`` as a :class:`HyperACWarning` unless it is in ``given``, the set of warnings
-    already given for one model (its applied state owns the set: a warning about one model never
-    silences the same warning about another)."""
-    if message in given:
+def warn_once(message: str, given: set[str], stacklevel: int = 3, key: str | None = None) -> None:
+    """Emit ``message`` as a :class:`HyperACWarning` unless it (or ``key``, for a message that varies
+    while the warning is one) is in ``given``, the set of warnings already given for one model (its
+    applied state owns the set: a warning about one model never silences the same warning about
+    another)."""
+    key = message if key is None else key
+    if key in given:
         return
-    given.add(message)
+    given.add(key)
     warnings.warn(message, HyperACWarning, stacklevel=stacklevel)

@@ -10,8 +10,10 @@ from .errors import ConfigError
 
 __all__ = ["MODE_LETTERS", "LayerPlan", "LengthBucket", "Plan", "mode_letters"]
 
-MODE_LETTERS = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F", "swap": "w"}
-"""One letter per mode, for writing a plan in a line: ``FFoo`` is full recompute on layers 0-1."""
+MODE_LETTERS = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F", "swap": "w",
+                "knapsack-0.25": "2", "knapsack-0.5": "5", "knapsack-0.75": "7"}
+"""One letter per mode, for writing a plan in a line: ``FFoo`` is full recompute on layers 0-1; a
+knapsack mode is the first digit of its budget (``55oo``: budget 0.5 on layers 0-1)."""
 
 
 def mode_letters(modes: Sequence[str]) -> str:
@@ -32,7 +34,8 @@ class LayerPlan:
     """Dotted name of the layer."""
     mode: str
     """One of :data:`hyperac.config.MODES`: ``off``, ``full``, ``selective``, ``selective-even``,
-    ``pointwise`` or ``swap`` (``mode="auto"`` resolves to these per layer)."""
+    ``pointwise``, ``swap``, or under ``compile=True`` ``knapsack-0.25/0.5/0.75`` (``mode="auto"``
+    resolves to these per layer)."""
     recomputed: tuple[str, ...] = ()
     """Dotted names of the modules replayed in backward: the layer itself, or regions inside it."""
     excluded: tuple[str, ...] = ()
@@ -139,7 +142,8 @@ class Plan:
     def summary(self) -> str:
         """One line: backend, adapter and how many layers got each mode."""
         counts = ", ".join(
-            f"{n} {mode}" for mode in ("full", "selective", "selective-even", "pointwise", "swap", "off")
+            f"{n} {mode}" for mode in ("full", "selective", "selective-even", "pointwise", "knapsack-0.25",
+                                       "knapsack-0.5", "knapsack-0.75", "swap", "off")
             if (n := self.count(mode))
         )
         swapping = sum(1 for layer in self.layers if layer.swap)
@@ -162,14 +166,15 @@ class Plan:
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.fqn) for layer in self.layers])
         found = max([len("found by")] + [len(layer.found_by) for layer in self.layers])
+        modes = max([9] + [len(layer.mode) for layer in self.layers])  # knapsack-0.25 is longer than the rest
         lines = [
             self.summary(),
-            f"{'#':>4}  {'layer':<{width}}  {'found by':<{found}}  {'mode':<9}  {'swap':<4}  recomputed",
+            f"{'#':>4}  {'layer':<{width}}  {'found by':<{found}}  {'mode':<{modes}}  {'swap':<4}  recomputed",
         ]
         for layer in self.layers:
             swap = "yes" if layer.swap else "-"
             lines.append(
-                f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.found_by:<{found}}  {layer.mode:<9}  {swap:<4}  "
+                f"{layer.index:>4}  {layer.fqn:<{width}}  {layer.found_by:<{found}}  {layer.mode:<{modes}}  {swap:<4}  "
                 f"{_describe_targets(layer)}"
             )
         if self.predicted_bytes is not None and self.predicted_peak_bytes is None:  # compiled: saved bytes
@@ -243,6 +248,8 @@ def _bucket_from_dict(position: int, bucket: Any, count: int, max_seq_len: Any) 
 
 
 def _describe_targets(layer: LayerPlan) -> str:
+    if layer.mode.startswith("knapsack-"):
+        return "what torch's partitioner picks (compiled)"
     if not layer.recomputed:
         return "-"
     if layer.recomputed == (layer.fqn,):

@@ -46,8 +46,8 @@ from ._compat import SAC_CHECKPOINT_KWARGS
 from ._hf import CACHE_KWARGS
 from .backends import Backend
 from .buffers import BufferSnapshots
-from .config import SELECTIVE_MODES
-from .errors import InputWrittenError, UnsupportedModelError
+from .config import KNAPSACK_MODES, SELECTIVE_MODES
+from .errors import InputWrittenError, UnsupportedModelError, warn_once
 from .policy import (
     OpSets,
     bypass_replay,
@@ -62,8 +62,8 @@ from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 
 __all__ = [
-    "RecomputeContext", "build_context_fn", "install_exclusion", "install_forced_recompute", "install_recompute",
-    "install_swap",
+    "RecomputeContext", "build_context_fn", "install_exclusion", "install_forced_recompute", "install_knapsack",
+    "install_recompute", "install_swap",
 ]
 
 
@@ -386,13 +386,19 @@ class RecomputedForward(Override):
         module, call = self.module_and_forward()
         if not _training(module):
             return call(*args, **kwargs)
-        region = _Region(call, kwargs, self)
-        start = functools.partial(self._start, region, kwargs)
         if torch.compiler.is_compiling() and not self._untraceable():
-            return start(args)()
+            cached = [name for name in CACHE_KWARGS if kwargs.get(name) is not None]
+            if not cached:
+                return self._start(_Region(call, kwargs, self), kwargs, args)()
+            return _eager_region(functools.partial(_cache_under_compile, self, cached[0], call, args, kwargs))
         # Outside the graph even when not tracing: a compiled model that fell back to eager at a
         # graph break would otherwise compile this frame (NOTE [Eager regions under torch.compile]).
-        return _eager_region(functools.partial(region.run_watched, start, args, self.swap is not None))
+        return _eager_region(functools.partial(self.run_eagerly, call, args, kwargs))
+
+    def run_eagerly(self, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The region, run eagerly, with its inputs watched (NOTE [Inputs written in place])."""
+        region = _Region(call, kwargs, self)
+        return region.run_watched(functools.partial(self._start, region, kwargs), args, self.swap is not None)
 
     def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
         """What runs the region's forward on ``args``: the recompute, within the swap if any."""
@@ -424,6 +430,27 @@ class SwappedForward(Override):
         layer = functools.partial(call, *args, **kwargs)
         run = functools.partial(self.swap.manager.run_layer, self.swap.offload, layer, (args, kwargs))
         return _eager_region(run) if torch.compiler.is_compiling() else run()
+
+
+class KnapsackForward(Override):
+    """Give the module's compiled graph torch's partitioner knapsack at the budget of ``mode`` (NOTE [Knapsack
+    layers] in compiled.py); run eagerly, or not training, its own forward runs untouched."""
+
+    def __init__(self, module: nn.Module, owner: AppliedState, fqn: str, mode: str) -> None:
+        super().__init__(module, owner, fqn)
+        self.mode = mode  # a string, which dynamo guards as a constant (a float attribute turns symbolic)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, call = self.module_and_forward()
+        if not (_training(module) and torch.compiler.is_compiling()):
+            return call(*args, **kwargs)
+        return self._in_region(*args, **kwargs)
+
+    def _in_region(self, *args: Any, **kwargs: Any) -> Any:
+        torch._dynamo.graph_break()  # the budget must cover a whole graph: the layer's own
+        _, call = self.module_and_forward()
+        with torch.autograd.graph.region_activation_memory_budget(KNAPSACK_MODES[self.mode]):
+            return call(*args, **kwargs)
 
 
 class ExcludedForward(Override):
@@ -476,6 +503,12 @@ def install_swap(module: nn.Module, owner: AppliedState, fqn: str, swap: LayerSw
     SwappedForward(module, owner, fqn, swap).install()
 
 
+def install_knapsack(module: nn.Module, owner: AppliedState, fqn: str, mode: str) -> None:
+    """Give ``module``'s compiled graph torch's knapsack at the budget of ``mode``, one of
+    :data:`~hyperac.config.KNAPSACK_MODES` (sets ``module.forward``)."""
+    KnapsackForward(module, owner, fqn, mode).install()
+
+
 def install_exclusion(module: nn.Module, owner: AppliedState, fqn: str) -> None:
     """Keep ``module`` out of the replay of the region around it (sets ``module.forward``)."""
     ExcludedForward(module, owner, fqn).install()
@@ -495,6 +528,29 @@ def install_forced_recompute(module: nn.Module, owner: AppliedState, fqn: str) -
 # everything the compiler cannot trace does; the rest of the model is compiled. Full recompute
 # without swap or buffers has no context and is traced, as are ``compile=True`` layers (see
 # ``policy.compile_context_fn``).
+
+
+# NOTE [KV caches under torch.compile]
+# A ``compile=True`` layer called with a KV cache in a training forward (a cache passed in; HF's
+# ``use_cache=True`` is already turned off in training, NOTE [KV caches in training] in _hf.py)
+# cannot be traced: its region keeps the cache as it was for the replay (NOTE [KV caches in
+# replays]), a side effect dynamo refuses inside ``torch.utils.checkpoint``, and dynamo would give up
+# on the whole region, silently. So such a region runs eagerly outside the graph, with one warning
+# per model naming the layer and the fix: it still keeps what its mode keeps (PyTorch's selective
+# checkpoint contexts work eagerly too), but the layer is not compiled.
+
+
+def _cache_under_compile(override: RecomputedForward, cache: str, call: Callable[..., Any], args: tuple,
+                         kwargs: dict[str, Any]) -> Any:
+    """Run a compiled layer's region that got a KV cache eagerly, warning once per model (NOTE [KV
+    caches under torch.compile])."""
+    warn_once(
+        f"compile=True layer {override.fqn!r} was called with a KV cache ({cache}=) in a training forward: "
+        "a region holding a cache cannot be traced, so such layers run eagerly, outside the compiled graph. Train "
+        "without a cache: use_cache=False (or model.config.use_cache = False) and no past_key_values/cache argument.",
+        override.owner.warned, stacklevel=5, key="kv cache under compile",
+    )
+    return override.run_eagerly(call, args, kwargs)
 
 
 @torch._disable_dynamo

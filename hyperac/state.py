@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .compiled import OffloadMarker, release_offloading
+from .compiled import OffloadLease, release_offloading
 from .plan import Plan
 from .swap import SwapManager
 
@@ -44,7 +44,7 @@ class AppliedState:
     swap: SwapManager | None = None
     warned: set[str] = dataclasses.field(default_factory=set)
     """Warnings already given for this model (each is given once per model, not once per process)."""
-    offload: OffloadMarker | None = None
+    offload: OffloadLease | None = None
     """Under ``compile=True`` with swap: the activation offloading this apply turned on (compiled.py)."""
     bucket: int = 0
     """With length buckets: the position in ``plan.buckets`` of the plan the next layer forwards run

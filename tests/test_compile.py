@@ -10,14 +10,16 @@ this fast on CPU; Inductor needs a C++ build (about 70 s on 2 cores) and runs on
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
 import torch
-from hyperac_testing import assert_parity, saved_for_backward, tiny_llama, train_step
+from hyperac_testing import assert_parity, lm_loss, saved_for_backward, tiny_llama, train_step
 
 import hyperac
 from hyperac.measure import flop_counter
+from hyperac.plan import mode_letters
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,16 @@ class RecordingBackend:
     @staticmethod
     def count(graphs: list[torch.fx.GraphModule], op) -> list[int]:
         return [sum(1 for node in graph.graph.nodes if node.target is op) for graph in graphs]
+
+
+COUNTING_GRAPHS: list[torch.fx.GraphModule] = []
+
+
+@torch._dynamo.register_backend(name="hyperac_test_counting")
+def counting_backend(graph, inputs):
+    """``aot_eager_decomp_partition`` that notes each graph it compiles in :data:`COUNTING_GRAPHS`."""
+    COUNTING_GRAPHS.append(graph)
+    return torch._dynamo.lookup_backend("aot_eager_decomp_partition")(graph, inputs)
 
 
 def compiled_step(model, loss_fn, options, backend):
@@ -179,7 +191,15 @@ DEEP_PLANS = {
     "full": dict(mode="full"),
     "selective": dict(mode="selective"),
     "mixed": dict(layers={"0-2": "full", "3-5": "selective", "6-8": "pointwise", "9-10": "selective-even", 11: "off"}),
+    "knapsack": dict(layers={"0-5": "knapsack-0.25", "6-10": "knapsack-0.5", 11: "off"}),
 }
+
+
+def assert_only_knapsack_breaks(modes):
+    """No graph break, except the one a knapsack layer starts its own graph with (NOTE [Knapsack layers])."""
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    knapsack = any(mode.startswith("knapsack") for mode in modes)
+    assert bool(breaks) == knapsack and all("graph_break()" in reason for reason in breaks), breaks
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +242,14 @@ def deep_reference(deep_model, loss_fn):
 def test_deep_model_shares_one_graph_per_layer_plan(deep_model, deep_reference, loss_fn, plan):
     """Invariant 14 (NOTE [One graph per layer plan]): per-layer ``layer.compile()`` of a 12-layer
     model compiles one graph per distinct layer plan, reuses it in every layer (no recompile limit
-    hit, no graph break), and gives the gradients of the compiled model without hyperac."""
-    step, counter, modes = compiled_deep_step(copy.deepcopy(deep_model), loss_fn, DEEP_PLANS[plan], per_layer=True)
-    assert_parity(deep_reference, step, exact=True)
-    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    hit, no graph break but a knapsack layer's own), and gives the gradients of the compiled model
+    without hyperac. Knapsack layers need the min-cut partitioner (``aot_eager_decomp_partition``),
+    whose decompositions round differently (bitwise parity with it: test_knapsack_saves_what_torch_budget_saves)."""
+    knapsack = plan == "knapsack"
+    step, counter, modes = compiled_deep_step(copy.deepcopy(deep_model), loss_fn, DEEP_PLANS[plan], per_layer=True,
+                                              backend="aot_eager_decomp_partition" if knapsack else "aot_eager")
+    assert_parity(deep_reference, step, exact=not knapsack)
+    assert_only_knapsack_breaks(modes)
     assert counter.frame_count == len(modes), (counter.frame_count, modes)
 
 
@@ -239,6 +263,19 @@ def test_deep_model_compiled_whole_stays_one_graph(deep_model, deep_reference, l
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
 
+def test_deep_model_compiled_whole_with_knapsack_layers(deep_model, deep_reference, loss_fn):
+    """``model.compile()`` with knapsack layers: each starts a graph of its own (torch refuses a budget
+    that covers only part of a graph; test_knapsack_saves_what_torch_budget_saves compiles it), and
+    nothing is per layer: one graph per knapsack plan, and the model's own frames split around the
+    breaks (the graphs before the loop, the loop's resume, their callers' resumes: 4 to 5 here, 7
+    graphs in all for 4 layers as for 12). Dynamo alone decides them: ``eager`` is cheap."""
+    step, counter, modes = compiled_deep_step(copy.deepcopy(deep_model), loss_fn, DEEP_PLANS["knapsack"],
+                                              per_layer=False, backend="eager")
+    assert_parity(deep_reference, step, exact=False)  # a different graph than per-layer: same math
+    assert_only_knapsack_breaks(modes)
+    assert counter.frame_count <= len(modes) + 4, (counter.frame_count, modes)
+
+
 def compiled_saved_bytes(model, loss_fn):
     """Bytes of the distinct storages a compiled step saves for backward, parameters excluded (after a
     first step, which compiles: its AOTAutograd tracing saves more than the compiled graph)."""
@@ -248,6 +285,77 @@ def compiled_saved_bytes(model, loss_fn):
     loss.backward()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
     return sum(n for ptr, n in storages.items() if ptr not in parameters)
+
+
+def per_layer_compiled(model, backend):
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    return model
+
+
+def test_knapsack_saves_what_torch_budget_saves(loss_fn):
+    """A ``knapsack-0.5`` layer (NOTE [Knapsack layers]) saves what torch's global
+    ``activation_memory_budget=0.5`` saves for that layer's graph, less than ``off``, with the
+    gradients of the compiled model without hyperac; compiled whole, torch accepts its budget (the
+    layer is a graph of its own) and it takes effect."""
+    partitioned = "aot_eager_decomp_partition"  # the min-cut partitioner, which reads budgets
+    base = tiny_llama(num_layers=1, hidden_size=32, intermediate_size=64, use_cache=False)
+    plain = per_layer_compiled(copy.deepcopy(base), partitioned)
+    reference = train_step(plain, loss_fn)
+    off = compiled_saved_bytes(plain, loss_fn)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        torch_bytes = compiled_saved_bytes(per_layer_compiled(copy.deepcopy(base), partitioned), loss_fn)
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    plan = hyperac.apply(model, mode="knapsack-0.5", compile=True)
+    assert "knapsack-0.5 = torch's partitioner knapsack at budget 0.5" in str(plan)
+    per_layer_compiled(model, partitioned)
+    assert_parity(reference, train_step(model, loss_fn), exact=True)
+    knapsack_bytes = compiled_saved_bytes(model, loss_fn)
+    assert knapsack_bytes == torch_bytes < off, (knapsack_bytes, torch_bytes, off)
+    torch._dynamo.reset()
+    whole = copy.deepcopy(base)
+    hyperac.apply(whole, mode="knapsack-0.5", compile=True)
+    whole.compile(backend=partitioned)
+    assert_parity(reference, train_step(whole, loss_fn), exact=False)  # other graphs: same math
+    whole_bytes = compiled_saved_bytes(whole, loss_fn)  # the graphs around the layer save a little more than eager
+    assert whole_bytes < (off + knapsack_bytes) / 2, (whole_bytes, knapsack_bytes, off)
+
+
+def test_knapsack_plan_round_trips_and_needs_compile(base_model):
+    """A plan with knapsack layers prints them (a digit, the mechanism), survives JSON, applies again
+    with ``compile=True``, and is refused without it, leaving the model untouched."""
+    model = copy.deepcopy(base_model)
+    plan = hyperac.apply(model, layers={0: "knapsack-0.75", 1: "full"}, compile=True)
+    assert mode_letters([layer.mode for layer in plan.layers]) == "7F"
+    assert "1 full, 1 knapsack-0.75" in plan.summary()
+    assert "knapsack-0.75  -     what torch's partitioner picks (compiled)" in str(plan)
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert hyperac.Plan.from_dict(data) == plan
+    other = copy.deepcopy(base_model)
+    assert [layer.mode for layer in hyperac.apply(other, plan=data, compile=True).layers] == ["knapsack-0.75", "full"]
+    hyperac.remove(other)
+    assert "forward" not in other.model.layers[0].__dict__
+    for options in (dict(plan=data), dict(mode="knapsack-0.5")):
+        with pytest.raises(hyperac.ConfigError, match=r"\['knapsack-0\.\d+'\] are torch's partitioner knapsack, which "
+                                                      r"exists only in a compiled graph, but Config.compile is False"):
+            hyperac.apply(other, **options)
+        assert hyperac.applied_plan(other) is None
+
+
+def test_knapsack_needs_region_budgets(base_model, monkeypatch):
+    """A torch without ``region_activation_memory_budget`` (mocked: this torch has it): ``mode="auto"``
+    leaves the knapsack modes out of the compiled menu, and applying one is a clear error."""
+    from hyperac.planner.compiled import ESTIMATE_MODES, compiled_options
+
+    assert set(compiled_options()) - set(ESTIMATE_MODES) == {"knapsack-0.25", "knapsack-0.5", "knapsack-0.75"}
+    monkeypatch.delattr(torch.autograd.graph, "region_activation_memory_budget")
+    assert compiled_options() == ESTIMATE_MODES
+    model = copy.deepcopy(base_model)
+    with pytest.raises(hyperac.TorchVersionError, match="need torch.autograd.graph.region_activation_memory_budget"):
+        hyperac.apply(model, mode="knapsack-0.25", compile=True)
+    assert hyperac.applied_plan(model) is None
 
 
 def test_compiled_menu_is_graded(base_model, loss_fn):
@@ -328,24 +436,25 @@ def test_swap_under_compile_needs_activation_offloading(base_model, monkeypatch)
 
 
 def test_auto_plans_for_compiled_layers(loss_fn):
-    """``mode="auto"`` with ``compile=True`` measures the layers compiled: the budget is a fraction of
-    what compiled ``off`` saves, the plan fits it, and its predicted saved bytes are what the layers
-    save when compiled as a user compiles them (within 5%)."""
-    from hyperac.planner.compiled import PROFILE_BACKEND
-
+    """``mode="auto"`` with ``compile=`` a backend measures the layers compiled with that backend (the
+    one they will run under): the budget is a fraction of what compiled ``off`` saves, the plan fits
+    it, and its predicted saved bytes are what the layers save when compiled as a user compiles them
+    (within 5%)."""
+    COUNTING_GRAPHS.clear()
     base = tiny_llama(num_layers=4, hidden_size=32, intermediate_size=64, use_cache=False)
     off = copy.deepcopy(base)
     for layer in off.model.layers:
-        layer.compile(backend=PROFILE_BACKEND)
+        layer.compile(backend="aot_eager_decomp_partition")
     off_bytes = compiled_saved_bytes(off, loss_fn)
     torch._dynamo.reset()
     model = copy.deepcopy(base)
-    plan = hyperac.apply(model, mode="auto", compile=True, budget=0.5, sample=loss_fn)
+    plan = hyperac.apply(model, mode="auto", compile="hyperac_test_counting", budget=0.5, sample=loss_fn)
+    assert len(COUNTING_GRAPHS) >= 8, "each of the eight options is timed compiled with the backend named"
     assert plan.predicted_peak_bytes is None and "saved for backward by the compiled layers" in str(plan)
     assert abs(plan.budget_bytes - 0.5 * off_bytes) <= 0.05 * off_bytes, (plan.budget_bytes, off_bytes)
     assert {layer.mode for layer in plan.layers} != {"off"}
     for layer in model.model.layers:
-        layer.compile(backend=PROFILE_BACKEND)
+        layer.compile(backend="aot_eager_decomp_partition")
     measured = compiled_saved_bytes(model, loss_fn)
     assert measured <= plan.budget_bytes * 1.05
     assert abs(measured - plan.predicted_bytes) <= 0.05 * measured, (measured, plan.predicted_bytes)
@@ -380,3 +489,63 @@ def test_swap_inputs_under_compile_is_ignored_with_a_warning(base_model):
     plan = hyperac.apply(model, mode="selective", swap_inputs=True, swap_selective_outputs=True, compile=True,
                          backend="sim")
     assert all(layer.swap for layer in plan.layers[:-1]), plan
+
+
+def test_copy_of_a_swapping_model_keeps_offloading_after_the_original_is_removed(loss_fn):
+    """NOTE [Swap under torch.compile]: torch's offloading options are held per applied model, copies
+    included. ``copy.deepcopy(applied)`` then ``remove(original)`` leaves the copy offloading in its
+    compiled graph with unchanged gradients; the options go back when the last holder is removed, or
+    garbage-collected unremoved."""
+    import gc
+
+    from hyperac.backends.sim import SimBackend
+
+    config = torch._functorch.config
+    model = tiny_llama(num_layers=3, hidden_size=32, intermediate_size=64, use_cache=False)
+    expected = train_step(copy.deepcopy(model), loss_fn)
+    hyperac.apply(model, mode="swap", compile=True, backend=SimBackend(), min_swap_bytes=0)
+    twin = copy.deepcopy(model)
+    hyperac.remove(model)
+    assert config.enable_activation_offloading and callable(config.joint_custom_pass)
+    recorder = RecordingBackend()
+    for layer in twin.model.layers:
+        layer.compile(backend=recorder.backend)
+    assert_parity(expected, train_step(twin, loss_fn), exact=True)
+    assert any(n.name.startswith("cpu_offload_") for g in recorder.forward_graphs for n in g.graph.nodes)
+    third = copy.deepcopy(twin)
+    hyperac.remove(twin)
+    assert config.enable_activation_offloading, "the third copy still holds the options"
+    del third
+    gc.collect()
+    assert not config.enable_activation_offloading and config.joint_custom_pass is None
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_kv_cache_under_compile_warns_once_and_keeps_gradients(base_model, mode):
+    """NOTE [KV caches under torch.compile]: a compiled layer given a KV cache in a training forward
+    cannot be traced; it runs eagerly outside the graph with one warning per model naming the layer
+    and the fix, and gradients equal the un-applied model's on the same cache; without a cache the
+    layers stay compiled (no graph break)."""
+    from torch._dynamo.utils import counters
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def cached_loss(model):
+        return model(input_ids=ids, labels=ids, cache=DynamicCache(config=model.config)).loss
+
+    expected = train_step(copy.deepcopy(base_model), cached_loss)
+    model = copy.deepcopy(base_model)
+    hyperac.apply(model, mode=mode, compile=True)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    with pytest.warns(hyperac.HyperACWarning) as caught:
+        first = train_step(model, cached_loss)
+        train_step(model, cached_loss)
+    about_compile = [str(w.message) for w in caught if "cannot be traced" in str(w.message)]
+    assert len(about_compile) == 1, about_compile
+    assert "compile=True layer 'model.layers.0'" in about_compile[0] and "use_cache=False" in about_compile[0]
+    assert_parity(expected, first, exact=True)
+    counters.clear()
+    train_step(model, lm_loss(batch=2, seq=16))
+    assert not counters["graph_break"], dict(counters["graph_break"])

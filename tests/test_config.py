@@ -57,8 +57,8 @@ def assert_apply_fails(model, match, exc=ConfigError, **options):
 CONFIG_ERRORS = [
     # mode
     (dict(mode="fast"),
-     r"Config\.mode must be one of 'off', 'full', 'selective', 'selective-even', 'pointwise', 'swap', 'auto', "
-     r"got 'fast'"),
+     r"Config\.mode must be one of 'off', 'full', 'selective', 'selective-even', 'pointwise', 'swap', "
+     r"'knapsack-0\.25', 'knapsack-0\.5', 'knapsack-0\.75', 'auto', got 'fast'"),
     (dict(mode="FULL"), r"Config\.mode .*got 'FULL'"),
     (dict(mode=True), r"Config\.mode .*got True"),
     (dict(mode=None), r"Config\.mode .*got None"),

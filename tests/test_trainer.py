@@ -113,12 +113,13 @@ def test_activation_checkpointing_flag_becomes_a_plan(tmp_path, reference, caplo
 
 
 def test_torch_compile_flag(tmp_path, reference):
-    """TrainingArguments.torch_compile=True: the Trainer compiles the model, the callback applies compile=True."""
+    """TrainingArguments.torch_compile=True: the Trainer compiles the model, the callback applies compile= its
+    torch_compile_backend."""
     callback = HyperACCallback(mode="selective")
     losses, model, _, _ = train(tmp_path, "compiled", [callback], torch_compile=True,
                                 torch_compile_backend="aot_eager", save_strategy="no")
     torch._dynamo.reset()
-    assert callback.applied_config.compile is True
+    assert callback.applied_config.compile == "aot_eager"
     assert losses == reference[0]
     assert_removed(model)
 
@@ -143,8 +144,9 @@ def args(**fields):
     (dict(gradient_checkpointing=True, activation_checkpointing=None), {}, dict(mode="full")),  # transformers 4
     (dict(torch_compile=True), dict(mode="selective"), dict(mode="selective", compile=True)),
     (dict(torch_compile=True), dict(compile=False), dict(compile=False)),
+    (dict(torch_compile=True, torch_compile_backend="aot_eager"), {}, dict(compile="aot_eager")),
 ], ids=["none", "flag", "every-2", "offload", "options-win", "gradient_checkpointing", "torch_compile",
-        "compile-explicit"])
+        "compile-explicit", "torch_compile_backend"])
 def test_config_from_training_args(fields, options, expected):
     config = config_from_training_args(small_llama(num_layers=4), args(**fields), **options)
     assert config.backend == "cpu"

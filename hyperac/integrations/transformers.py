@@ -23,7 +23,9 @@ are those of :func:`hyperac.apply`; what they leave open is taken from the ``Tra
   non-reentrant. Explicit ``mode``/``layers``/``plan`` options win over the flag. One warning says so.
   Without that request a model with HF's flag already on (set by its ``__init__``) is refused, as
   :func:`hyperac.apply` refuses it.
-* ``torch_compile=True``: ``compile=True`` (the selective policy ``torch.compile`` can trace).
+* ``torch_compile=True``: ``compile=`` the ``torch_compile_backend`` (``True`` where it is unset):
+  the selective policy ``torch.compile`` can trace, and ``mode="auto"`` times the layers compiled
+  with the backend the Trainer compiles with.
 * the device the model sits on picks the backend (``use_cpu=True`` on a GPU host gives ``cpu``).
 
 Checkpoints saved while training load into a model without hyperac: parameter names and
@@ -109,7 +111,7 @@ def config_from_training_args(model: nn.Module, args: Any, config: Config | None
     if hf_on:
         derived.update(_plan_for_hf_request(model, hf_kwargs, chosen))
     if getattr(args, "torch_compile", False) and "compile" not in chosen:
-        derived["compile"] = True
+        derived["compile"] = getattr(args, "torch_compile_backend", None) or True  # what auto times with
     if "backend" not in chosen:
         derived["backend"] = _model_backend(model)
     return Config(**{**derived, **chosen})

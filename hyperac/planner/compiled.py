@@ -4,8 +4,8 @@ The eager profile (:mod:`.profile`) measures what eager layers keep and how long
 compiled layer keeps less (the partitioner saves only what backward reads, and recomputes cheap
 ops even in ``off``) and runs at another speed, so a plan made from the eager profile spends its
 budget on the wrong layers. Here every mode is applied uniformly with ``compile=True``, each
-layer compiled as a user compiles it (``layer.compile()``, :data:`PROFILE_BACKEND`), and per mode
-the profile reads, from whole compiled steps:
+layer compiled as a user compiles it (``layer.compile()``, with the backend ``Config.compile``
+names: :func:`compile_backend`), and per mode the profile reads, from whole compiled steps:
 
 * the bytes the step saves for backward: ``saved_tensors_hooks`` around it, distinct storages,
   parameters excluded. No module hook or dispatch mode may be active (either changes the compiled
@@ -16,14 +16,29 @@ the profile reads, from whole compiled steps:
 * the seconds of a step, in interleaved rounds, relative to ``off`` per round (NOTE [Timing on a
   drifting host] in :mod:`.profile`), shared evenly by the layers;
 * the FLOPs replayed: the step's FLOPs over ``off``'s, shared evenly by the layers, counted on an
-  eager step of the same mode (the compiled menu replays what the eager one does).
+  eager step of the same mode (the compiled menu replays what the eager one does). The knapsack
+  modes (NOTE [Knapsack layers] in compiled.py) replay what the partitioner chooses inside the
+  graph, which no eager step shows: their replayed FLOPs count as 0 in the plan's prediction.
+
+The options are :data:`~hyperac.planner.cost.ESTIMATE_MODES` and, where this torch gives a region
+its own budget, the knapsack modes.
 
 The solver is the eager one, bounding the bytes kept for backward (``bound="kept"``): a budget is
 a fraction of compiled ``off``'s saved bytes (or bytes), which is what a compiled graph's memory
 knob (``activation_memory_budget``) is a fraction of too. Swap options are not offered: a compiled
 swap offloads what the layer keeps (NOTE [Swap under torch.compile] in compiled.py), which this
-profile does not price. Timing uses :data:`PROFILE_BACKEND`, which partitions as Inductor does but
-generates no code: seconds compare modes, they are not Inductor's.
+profile does not price.
+
+NOTE [Timing with the user's backend]
+The modes are timed compiled with the backend the layers will run under (``Config.compile``), not
+a cheaper stand-in. AOTAutograd without code generation (``aot_eager_decomp_partition``)
+partitions as Inductor does, but runs every recomputed pointwise op as a kernel of its own, where
+Inductor fuses them into the backward's kernels, so it ranks the modes differently: on the demo
+model (benchmarks/compiled_peers.py) its seconds had ``pointwise`` 1.047x ``off``'s step and
+``selective`` 1.095x, Inductor's 1.006x and 1.059x, and under the bytes of torch's budget 0.75
+auto chose ``ssso`` (1.056x torch's step) from the first and ``pppp`` (0.958x) from the second.
+The price is compiling the five modes with that backend while planning: on the demo model
+(7 timed rounds, CPU) about 21 s with Inductor against 9 s with ``aot_eager_decomp_partition``.
 """
 
 from __future__ import annotations
@@ -39,6 +54,8 @@ import torch
 from torch import nn
 
 from ..budget import parse_budget
+from ..compiled import knapsack_available
+from ..config import KNAPSACK_MODES
 from ..discovery import Layer
 from ..measure import flop_counter
 from .cost import ESTIMATE_MODES, Estimate, LayerEstimate
@@ -46,10 +63,17 @@ from .profile import _loss
 from .restore import side_effects_undone
 from .solver import choose_modes
 
-__all__ = ["PROFILE_BACKEND", "compiled_auto_modes", "compiled_estimate"]
+__all__ = ["compile_backend", "compiled_auto_modes", "compiled_estimate", "compiled_options"]
 
-PROFILE_BACKEND = "aot_eager_decomp_partition"
-"""AOTAutograd with Inductor's decompositions and min-cut partitioner, without code generation."""
+
+def compiled_options() -> tuple[str, ...]:
+    """The per-layer options of a compiled plan: the eager menu, and torch's knapsack where it exists."""
+    return ESTIMATE_MODES + tuple(KNAPSACK_MODES) if knapsack_available() else ESTIMATE_MODES
+
+
+def compile_backend(compile: bool | str) -> str:
+    """The ``torch.compile`` backend ``Config.compile`` names: ``True`` is torch.compile's default."""
+    return "inductor" if compile is True else compile
 
 
 class _Compiled:
@@ -57,11 +81,11 @@ class _Compiled:
     (``layer.compile()``); :meth:`restore` undoes both."""
 
     def __init__(self, run_mode: Callable[[str], Callable[[], None]], layer_modules: Sequence[nn.Module],
-                 mode: str) -> None:
+                 mode: str, compiler: str) -> None:
         self.layer_modules = layer_modules
         self.undo = run_mode(mode)
         for module in layer_modules:
-            module.compile(backend=PROFILE_BACKEND)
+            module.compile(backend=compiler)
 
     def restore(self) -> None:
         for module in self.layer_modules:
@@ -120,12 +144,14 @@ def _timed_step(model: nn.Module, sample: Any, synchronize: Callable[[], None]) 
 
 
 def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], run_mode: Callable,
-                      backend: Any, rounds: int) -> Estimate:
+                      backend: Any, rounds: int, compiler: str) -> Estimate:
     """The cost model of compiled layers (module docstring); ``run_mode(mode)`` applies ``mode``
-    with ``compile=True`` to every layer and returns the undo."""
+    with ``compile=True`` to every layer and returns the undo; ``compiler``: the torch.compile
+    backend the layers are compiled with (NOTE [Timing with the user's backend])."""
     modules = [layer.module for layer in layers]
-    saved, flops, readings = {}, {}, {mode: [] for mode in ESTIMATE_MODES}
-    order = list(ESTIMATE_MODES)
+    options = compiled_options()
+    saved, flops, readings = {}, {}, {mode: [] for mode in options}
+    order = list(options)
     with side_effects_undone(model, backend.device_type):
         model.train()
         for round_ in range(rounds + 1):
@@ -133,7 +159,7 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
             for mode in order:
                 if round_ == 0:
                     flops[mode] = _step_flops(model, sample, run_mode(mode))
-                compiled = _Compiled(run_mode, modules, mode)
+                compiled = _Compiled(run_mode, modules, mode, compiler)
                 try:
                     if round_ == 0:
                         _step(model, sample)  # compiles
@@ -145,27 +171,27 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     # NOTE [Timing on a drifting host] in profile.py: per round, each mode relative to off.
     off_seconds = statistics.median(readings["off"])
     seconds = {m: off_seconds * statistics.median(t / o for t, o in zip(readings[m], readings["off"]))
-               for m in ESTIMATE_MODES}
+               for m in options}
     count = len(layers)
     estimates = tuple(
         LayerEstimate(
             index=layer.index, fqn=layer.fqn,
-            kept_bytes={m: saved[m] // count for m in ESTIMATE_MODES},
-            recompute_flops={m: max(flops[m] - flops["off"], 0) // count for m in ESTIMATE_MODES},
-            seconds={m: seconds[m] / count for m in ESTIMATE_MODES},
+            kept_bytes={m: saved[m] // count for m in options},
+            recompute_flops={m: max(flops[m] - flops["off"], 0) // count for m in options},
+            seconds={m: seconds[m] / count for m in options},
         )
         for layer in layers
     )
-    return Estimate(estimates, 0, flops["off"], timing=f"compiled steps ({PROFILE_BACKEND}) on {backend.name}")
+    return Estimate(estimates, 0, flops["off"], timing=f"compiled steps ({compiler}) on {backend.name}")
 
 
 def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, run_mode: Callable,
-                        backend: Any, rounds: int) -> tuple[list[str], list[bool], dict[str, Any]]:
+                        backend: Any, rounds: int, compile: bool | str) -> tuple[list[str], list[bool], dict[str, Any]]:
     """``mode="auto"`` under ``compile=True``: per-layer modes (no swap) and the plan's predictions;
-    the budget bounds the bytes the compiled step saves for backward."""
-    estimate = compiled_estimate(model, sample, layers, run_mode, backend, rounds)
+    the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``."""
+    estimate = compiled_estimate(model, sample, layers, run_mode, backend, rounds, compile_backend(compile))
     budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))
-    chosen = choose_modes(estimate, budget_bytes, ESTIMATE_MODES, bound="kept")
+    chosen = choose_modes(estimate, budget_bytes, compiled_options(), bound="kept")
     return chosen, [False] * len(chosen), {
         "predicted_bytes": estimate.total_bytes(chosen),
         "predicted_step_seconds": estimate.step_seconds(chosen),
