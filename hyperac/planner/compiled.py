@@ -16,12 +16,14 @@ names: :func:`compile_backend`), and per mode the profile reads, from whole comp
 * the seconds of a step, in interleaved rounds, relative to ``off`` per round (NOTE [Timing on a
   drifting host] in :mod:`.profile`), shared evenly by the layers;
 * the FLOPs replayed: the step's FLOPs over ``off``'s, shared evenly by the layers, counted on an
-  eager step of the same mode (the compiled menu replays what the eager one does). The knapsack
-  modes (NOTE [Knapsack layers] in compiled.py) replay what the partitioner chooses inside the
-  graph, which no eager step shows: their replayed FLOPs count as 0 in the plan's prediction.
+  eager step of the same mode (the compiled menu replays what the eager one does).
 
-The options are :data:`~hyperac.planner.cost.ESTIMATE_MODES` and, where this torch gives a region
-its own budget, the knapsack modes.
+The options are :data:`~hyperac.planner.cost.ESTIMATE_MODES`. The knapsack modes (NOTE [Knapsack
+layers] in compiled.py) are not among them: a knapsack layer splits a whole-model graph (a graph
+break before it), and with their three options timed beside the five from a few rounds of whole
+compiled steps, auto picked options whose lead was noise (README, torch.compile: 1.024x and 1.071x
+of torch's budget's step on the demo model, where the five options gave 0.986x and 0.994x). A user
+names them with ``layers=`` or ``plan=``.
 
 The solver is the eager one, bounding the bytes kept for backward (``bound="kept"``): a budget is
 a fraction of compiled ``off``'s saved bytes (or bytes), which is what a compiled graph's memory
@@ -54,8 +56,6 @@ import torch
 from torch import nn
 
 from ..budget import parse_budget
-from ..compiled import knapsack_available
-from ..config import KNAPSACK_MODES
 from ..discovery import Layer
 from ..measure import flop_counter
 from .cost import ESTIMATE_MODES, Estimate, LayerEstimate
@@ -63,12 +63,7 @@ from .profile import _loss
 from .restore import side_effects_undone
 from .solver import choose_modes
 
-__all__ = ["compile_backend", "compiled_auto_modes", "compiled_estimate", "compiled_options"]
-
-
-def compiled_options() -> tuple[str, ...]:
-    """The per-layer options of a compiled plan: the eager menu, and torch's knapsack where it exists."""
-    return ESTIMATE_MODES + tuple(KNAPSACK_MODES) if knapsack_available() else ESTIMATE_MODES
+__all__ = ["compile_backend", "compiled_auto_modes", "compiled_estimate"]
 
 
 def compile_backend(compile: bool | str) -> str:
@@ -149,7 +144,7 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     with ``compile=True`` to every layer and returns the undo; ``compiler``: the torch.compile
     backend the layers are compiled with (NOTE [Timing with the user's backend])."""
     modules = [layer.module for layer in layers]
-    options = compiled_options()
+    options = ESTIMATE_MODES
     saved, flops, readings = {}, {}, {mode: [] for mode in options}
     order = list(options)
     with side_effects_undone(model, backend.device_type):
@@ -191,7 +186,7 @@ def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, 
     the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``."""
     estimate = compiled_estimate(model, sample, layers, run_mode, backend, rounds, compile_backend(compile))
     budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))
-    chosen = choose_modes(estimate, budget_bytes, compiled_options(), bound="kept")
+    chosen = choose_modes(estimate, budget_bytes, ESTIMATE_MODES, bound="kept")
     return chosen, [False] * len(chosen), {
         "predicted_bytes": estimate.total_bytes(chosen),
         "predicted_step_seconds": estimate.step_seconds(chosen),
