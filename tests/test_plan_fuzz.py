@@ -2,7 +2,7 @@
 
 Each example draws a tiny model (HF Llama, GPT-2, BERT, or a plain ``ModuleList``/``nn.Sequential``
 stack with BatchNorm statistics and dropout) in float32, bfloat16 or float64, a plan (a uniform mode
-or ``layers=`` ranges with an override, all six modes, ``swap`` on the ``sim`` backend,
+or ``layers=`` ranges with an override, all six eager modes, ``swap`` on the ``sim`` backend,
 ``swap_inputs``, ``save_ops=``, ``force_recompute=``) and a session of training steps of random
 shapes, ``no_grad`` forwards in train and eval mode, a training step in eval mode and
 remove-then-apply cycles to new plans. Losses, gradients, parameters and buffers must equal the

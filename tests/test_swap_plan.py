@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import pickle
+import time
 
 import pytest
 import torch
@@ -200,10 +201,14 @@ def test_a_copy_of_a_swapping_model_keeps_the_sim_backends_settings(model, loss_
         backend = twin.__dict__[STATE_KEY].swap.backend
         assert (type(backend), backend.link_bandwidth, backend.seconds_per_op) == (SimBackend, bandwidth, 1e-6)
         stats = hyperac.swap_stats(twin)
+        start = time.perf_counter()
         loss_fn(twin).backward()
         backend.synchronize()
-        moved = stats.offloaded_bytes + stats.reloaded_bytes
-        assert moved > 0 and stats.wait_seconds >= 0.5 * moved / bandwidth, str(stats)
+        # The offloads run one after another on the copy stream, each for its bytes over the link, so
+        # the step lasts at least their sum however busy the host (a busy host only overlaps them
+        # with more compute, which is why the waits themselves are not bounded here).
+        elapsed = time.perf_counter() - start
+        assert stats.offloaded_bytes > 0 and elapsed >= stats.offloaded_bytes / bandwidth, str(stats)
         hyperac.remove(twin)
 
 
