@@ -44,8 +44,8 @@ that the options and ``CheckpointPolicy.MUST_CPU_OFFLOAD`` exist (``compiled.off
 and raises :class:`~hyperac.errors.TorchVersionError` where they do not.
 
 The knapsack modes under ``compile=True`` (NOTE [Knapsack layers] in compiled.py) use the prototype
-``torch.autograd.graph.region_activation_memory_budget``; where it is missing ``mode="auto"`` leaves
-them out of the menu and applying one raises :class:`~hyperac.errors.TorchVersionError`.
+``torch.autograd.graph.region_activation_memory_budget``; where it is missing applying one raises
+:class:`~hyperac.errors.TorchVersionError`.
 
 ``torch._C._dynamo.eval_frame.set_eval_frame`` (torch.compile's frame hook) lets the eager
 recording and replay modes turn frame compilation off once per region (NOTE [Dispatch modes and

@@ -300,18 +300,18 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     """Install ``modes`` (one per layer of ``found``) on ``model`` atomically; return the plan.
     ``planned``: by or for ``mode="auto"``, so training forwards build no KV cache unless a layer
     swaps (NOTE [KV caches in training] in _hf.py)."""
-    _check_wrapped(found, modes)
-    require_knapsack(modes, config.compile)
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
     notes: list[str] = reversible_note(found) + prediction.pop("notes", [])
     buckets = prediction.get("buckets", ())
-    regions = _regions_by_layer(  # with buckets, longer batches recompute every layer (NOTE [Plans per length bucket])
-        dict(named_modules), found, ["full"] * len(found) if buckets else modes, adapter_spec, config,
+    # With buckets, longer batches recompute every layer not wrapped already (NOTE [Plans per length bucket]).
+    longer = ["off" if layer.wrapper is not None else "full" for layer in found]
+    regions = _regions_by_layer(
+        dict(named_modules), found, longer if buckets else modes, adapter_spec, config,
         _hf.has_kv_sharing(configs), notes
     )
     swaps = _swap_flags(config, chosen_backend, modes, notes, planned_swaps)
-    variants = _bucket_variants(config, chosen_backend, modes, swaps, planned_swaps, buckets)
+    variants = _bucket_variants(config, chosen_backend, modes, swaps, planned_swaps, buckets, longer)
     last_swap = variants[-1][2]  # the default's, which longer batches keep
     layer_plans = []
     for i, (layer, mode, swap) in enumerate(zip(found, modes, swaps)):
@@ -323,7 +323,9 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     result = Plan(
         backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
     )
-    for variant_modes, variant_swaps, *_ in variants:
+    for variant_modes, variant_swaps, *_ in variants:  # every plan a bucket may run
+        _check_wrapped(found, variant_modes)
+        require_knapsack(variant_modes, config.compile)
         _compat.require_for(variant_modes, variant_swaps, config)
     every_mode = {mode for variant in variants for mode in variant[0]}
     ops = resolve_op_sets(chosen_backend, config.save_ops) if every_mode & set(SELECTIVE_MODES) else None
@@ -334,7 +336,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     def install_variant(k: int) -> None:
         variant_modes, variant_swaps, variant_last, variant_planned = variants[k]
         _install(found, variant_modes, variant_swaps, variant_last, regions, chosen_backend, ops, config, state,
-                 variant_planned)
+                 variant_planned, check_forced=k == state.bucket)  # force_recompute names modules of the default
 
     try:
         if config.compile and any(layer.swap for layer in layer_plans):
@@ -368,10 +370,11 @@ Variant = tuple[list[str], list[bool], int | None, list[bool] | None]
 
 
 def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: list[bool],
-                     planned_swaps: list[bool] | None, buckets: tuple) -> list[Variant]:
-    """The plan per length bucket, then ``full`` on every layer with the default's swaps for longer
-    batches (NOTE [Plans per length bucket]); without buckets, the plan alone. A bucket whose modes
-    are the default's runs the default, swaps included; the others swap only as ``Config`` asks."""
+                     planned_swaps: list[bool] | None, buckets: tuple, longer: list[str]) -> list[Variant]:
+    """The plan per length bucket, then ``longer`` (``full`` on every layer not wrapped already) with
+    the default's swaps for longer batches (NOTE [Plans per length bucket]); without buckets, the
+    plan alone. A bucket whose modes are the default's runs the default, swaps included; the others
+    swap only as ``Config`` asks."""
     default = (modes, swaps, _last_swap(swaps), planned_swaps)
     if not buckets:
         return [default]
@@ -385,7 +388,7 @@ def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: 
             warnings.simplefilter("ignore", HyperACWarning)
             bucket_swaps = _swap_flags(config, backend, bucket_modes, [], None)
         variants.append((bucket_modes, bucket_swaps, _last_swap(bucket_swaps), None))
-    return [*variants, (["full"] * len(modes), *default[1:])]
+    return [*variants, (longer, *default[1:])]
 
 
 def _last_swap(swaps: list[bool]) -> int | None:
@@ -396,9 +399,10 @@ def _last_swap(swaps: list[bool]) -> int | None:
 def _install(
     found: list[Layer], modes: list[str], swaps: list[bool], last_swap: int | None, regions: dict,
     backend: Backend, ops: OpSets | None, config: Config, state: AppliedState, planned_swaps: list[bool] | None,
+    check_forced: bool = True,
 ) -> None:
     installed: set[int] = set()
-    forced = _forced_modules(found, modes, regions, config.force_recompute)
+    forced = _forced_modules(found, modes, regions, config.force_recompute, check_forced)
 
     def claim(module: nn.Module) -> bool:
         if id(module) in installed:
@@ -451,10 +455,10 @@ def _install_compiled(layer: Layer, mode: str, offloads: bool, regions: dict, ba
             install_recompute(module, state, fqn, context)
 
 
-def _forced_modules(found: list[Layer], modes: list[str], regions: dict,
-                    patterns: tuple[str, ...]) -> dict[str, list[tuple[str, nn.Module]]]:
+def _forced_modules(found: list[Layer], modes: list[str], regions: dict, patterns: tuple[str, ...],
+                    check: bool = True) -> dict[str, list[tuple[str, nn.Module]]]:
     """Per selective layer, the modules inside its regions that ``Config.force_recompute`` names
-    (relative to the layer); :class:`ConfigError` for a name that matches none."""
+    (relative to the layer); with ``check``, :class:`ConfigError` for a name that matches none."""
     forced: dict[str, list[tuple[str, nn.Module]]] = {}
     matched: set[str] = set()
     for layer, mode in zip(found, modes):
@@ -468,7 +472,7 @@ def _forced_modules(found: list[Layer], modes: list[str], regions: dict,
                     matched.update(hits)
                     forced.setdefault(layer.fqn, []).append((name, module))
     unmatched = [p for p in patterns if p not in matched]
-    if unmatched:
+    if unmatched and check:
         selective = [layer.fqn for layer, mode in zip(found, modes) if mode in SELECTIVE_MODES]
         raise ConfigError(
             f"Config.force_recompute={unmatched!r} matches no module inside the selective layers "

@@ -54,7 +54,8 @@ whole-model compile the model's graph splits around each knapsack layer (``fullg
 refuses such a plan). A region takes a budget or a selective-checkpoint policy, not both (torch
 rejects the mix), so these layers have no checkpoint region. The grid 0.25 / 0.5 / 0.75 lies
 between hyperac's other options (one-layer Llama, hidden 64: off 302 KB, knapsack 236 / 211 /
-153 KB, full 104 KB) and costs ``mode="auto"`` three more compiled modes to time.
+153 KB, full 104 KB). ``mode="auto"`` does not plan them (planner/compiled.py says why): a user
+names them with ``layers=`` or ``plan=``.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ __all__ = ["MECHANISMS", "OffloadLease", "OffloadMarker", "knapsack_available", 
 
 MECHANISMS = {
     "full": "checkpoint region (backward replays every op)",
-    "selective": "SAC tags: odd matmuls and attention MUST_SAVE, the rest recomputed",
-    "selective-even": "SAC tags: even matmuls and attention MUST_SAVE, the rest recomputed",
+    "selective": "SAC tags: odd matmuls (and attention worth its bytes) MUST_SAVE, the rest recomputed",
+    "selective-even": "SAC tags: even matmuls (and attention worth its bytes) MUST_SAVE, the rest recomputed",
     "pointwise": "SAC tags: every matmul and attention MUST_SAVE, pointwise ops recomputed",
     "knapsack-0.25": "torch's partitioner knapsack at budget 0.25 for the layer's graph",
     "knapsack-0.5": "torch's partitioner knapsack at budget 0.5 for the layer's graph",

@@ -18,8 +18,11 @@ switch is an attribute write per switched module: nothing is installed, removed 
 per step. A layer's replay uses the mode its forward ran in, however
 the bucket changes before its backward (accumulation of micro-batches of different lengths, or
 interleaved pipeline stages): the mode's override builds the replay's contexts at the layer's
-forward (``torch.utils.checkpoint`` keeps them with the saved tensors), and nothing reads the bucket
-after that. Evaluation and ``no_grad`` forwards switch nothing (each override then runs the
+forward (``torch.utils.checkpoint`` keeps them with the saved tensors) and replays the layer's own
+forward. Inside it, a submodule's override is read again; those that matter to a replay (a module
+the region excludes, or forces to recompute) run the module's own forward where no region is
+around it, so they stay installed in every bucket, and the replay finds them whatever the switch
+did since. Evaluation and ``no_grad`` forwards switch nothing (each override then runs the
 module's own forward). A training batch longer than ``max_seq_len``, one larger than the sample in
 another dimension (the fit models the length only: a bigger batch), or one whose length cannot be
 read, warns once per shape and runs the most memory-saving plan: ``full`` on every layer, swapping
@@ -135,6 +138,12 @@ def install_switched(modules: list[tuple[str, nn.Module]], owner: AppliedState, 
             if isinstance(override, Override) and override.owner is owner:
                 override.restore(module)
                 collected.setdefault(id(module), (fqn, module, [None] * plans))[2][k] = override
+    for _, _, variants in collected.values():
+        present = [variant for variant in variants if variant is not None]
+        if all(variant.inert_outside_regions for variant in present):
+            # A module a region excludes (or forces) keeps that override in every plan: the replay of a
+            # region recorded under one bucket may run after the switch to a bucket without it.
+            variants[:] = [present[0] if variant is None else variant for variant in variants]
     switched = tuple(SwitchedForward(module, owner, fqn, tuple(variants)) for fqn, module, variants in
                      collected.values())
     for forward in switched:

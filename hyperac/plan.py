@@ -128,6 +128,11 @@ class Plan:
         fields = {k: data[k] for k in _PREDICTIONS if k in data}
         buckets = tuple(_bucket_from_dict(position, bucket, len(layers), fields.get("max_seq_len"))
                         for position, bucket in enumerate(data.get("buckets", ())))
+        bounds = [bucket.max_len for bucket in buckets]
+        if buckets and (any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in bounds)
+                        or bounds != sorted(set(bounds)) or bounds[-1] != fields["max_seq_len"]):
+            raise ConfigError(f"Config.plan['buckets'] have max_len {bounds!r}; give ints >= 1 in ascending order, "
+                              f"the last one max_seq_len ({fields['max_seq_len']!r}).")
         shape, seq_dim = data.get("batch_shape"), data.get("seq_dim")
         if seq_dim is not None and (isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0):
             raise ConfigError(f"Config.plan['seq_dim'] is {seq_dim!r}; give the sequence dimension as an int >= 0 "

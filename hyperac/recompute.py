@@ -456,6 +456,8 @@ class KnapsackForward(Override):
 class ExcludedForward(Override):
     """Keep the module out of the replay of the region around it (NOTE [Excluded modules])."""
 
+    inert_outside_regions = True
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, call = self.module_and_forward()
         frame = _current_frame.get()
@@ -479,6 +481,8 @@ class ExcludedForward(Override):
 
 class ForcedRecomputeForward(Override):
     """Keep nothing of the module's ops in the selective region around it (``Config.force_recompute``)."""
+
+    inert_outside_regions = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _, call = self.module_and_forward()

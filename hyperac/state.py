@@ -98,6 +98,10 @@ class Override(Installed):
     copy points at the copied module.
     """
 
+    inert_outside_regions = False
+    """Whether it runs the module's own forward unchanged where no recompute region is around it (a
+    module a region excludes or forces): such an override stays in place whatever plan runs."""
+
     def __init__(self, module: nn.Module, owner: AppliedState, fqn: str) -> None:
         self.owner, self.fqn = owner, fqn
         self.original = module.__dict__.get("forward")

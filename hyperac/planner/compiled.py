@@ -144,9 +144,8 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     with ``compile=True`` to every layer and returns the undo; ``compiler``: the torch.compile
     backend the layers are compiled with (NOTE [Timing with the user's backend])."""
     modules = [layer.module for layer in layers]
-    options = ESTIMATE_MODES
-    saved, flops, readings = {}, {}, {mode: [] for mode in options}
-    order = list(options)
+    saved, flops, readings = {}, {}, {mode: [] for mode in ESTIMATE_MODES}
+    order = list(ESTIMATE_MODES)
     with side_effects_undone(model, backend.device_type):
         model.train()
         for round_ in range(rounds + 1):
@@ -166,14 +165,14 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     # NOTE [Timing on a drifting host] in profile.py: per round, each mode relative to off.
     off_seconds = statistics.median(readings["off"])
     seconds = {m: off_seconds * statistics.median(t / o for t, o in zip(readings[m], readings["off"]))
-               for m in options}
+               for m in ESTIMATE_MODES}
     count = len(layers)
     estimates = tuple(
         LayerEstimate(
             index=layer.index, fqn=layer.fqn,
-            kept_bytes={m: saved[m] // count for m in options},
-            recompute_flops={m: max(flops[m] - flops["off"], 0) // count for m in options},
-            seconds={m: seconds[m] / count for m in options},
+            kept_bytes={m: saved[m] // count for m in ESTIMATE_MODES},
+            recompute_flops={m: max(flops[m] - flops["off"], 0) // count for m in ESTIMATE_MODES},
+            seconds={m: seconds[m] / count for m in ESTIMATE_MODES},
         )
         for layer in layers
     )

@@ -60,14 +60,14 @@ def prefix_only(model: nn.Module, layers: Sequence[Layer], length: int) -> Itera
     """In the body, the container of ``layers`` holds only the first ``length`` of them."""
     container = model.get_submodule(layers[0].container)
     names = [layer.fqn.removeprefix(f"{layers[0].container}.") for layer in layers]
-    removed = [(name, getattr(container, name)) for name in names[length:]]
-    for name, _ in removed:
+    children = dict(container._modules)  # the order too: a child after the layers (a final norm) stays last
+    for name in names[length:]:
         delattr(container, name)
     try:
         yield
     finally:
-        for name, module in removed:
-            container.register_module(name, module)
+        container._modules.clear()
+        container._modules.update(children)
 
 
 def _source(index: int, length: int, count: int) -> int:
