@@ -29,7 +29,7 @@ from .planner import (
     plan_swaps,
     remove_first_step_check,
 )
-from .planner.auto import TIMED_ROUNDS, link_bandwidth
+from .planner.auto import TIMED_ROUNDS, last_swap, link_bandwidth
 from .planner.compiled import compiled_auto_modes
 from .policy import OpSets, resolve_op_sets
 from .recompute import (
@@ -375,7 +375,7 @@ def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: 
     the default's swaps for longer batches (NOTE [Plans per length bucket]); without buckets, the
     plan alone. A bucket whose modes are the default's runs the default, swaps included; the others
     swap only as ``Config`` asks."""
-    default = (modes, swaps, _last_swap(swaps), planned_swaps)
+    default = (modes, swaps, last_swap(swaps), planned_swaps)
     if not buckets:
         return [default]
     variants = []
@@ -387,13 +387,8 @@ def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: 
         with warnings.catch_warnings():  # given for the default plan already
             warnings.simplefilter("ignore", HyperACWarning)
             bucket_swaps = _swap_flags(config, backend, bucket_modes, [], None)
-        variants.append((bucket_modes, bucket_swaps, _last_swap(bucket_swaps), None))
+        variants.append((bucket_modes, bucket_swaps, last_swap(bucket_swaps), None))
     return [*variants, (longer, *default[1:])]
-
-
-def _last_swap(swaps: list[bool]) -> int | None:
-    """The last swapping layer: it keeps its tensors (its backward comes first) but stays in the chain."""
-    return max((i for i, flag in enumerate(swaps) if flag), default=None)
 
 
 def _install(

@@ -213,18 +213,18 @@ def _estimates(args: argparse.Namespace, model: torch.nn.Module, sample_at: Call
     return fitted_estimates(estimate_at, args.seq, bucket_bounds(args.max_seq_len, args.length_buckets))
 
 
-def _write_plan(path: str, model: torch.nn.Module, estimate: Any, chosen: list[str], budget_bytes: int,
+def _write_plan(path: str, model: torch.nn.Module, resolved: tuple[list[str], list[bool], dict[str, Any]],
                 args: argparse.Namespace, buckets: tuple) -> None:
-    """``--output``: the plan as :meth:`hyperac.Plan.to_dict` writes it, for ``apply(model, plan=...)``."""
+    """``--output``: the plan as :meth:`hyperac.Plan.to_dict` writes it, for ``apply(model, plan=...)``;
+    ``resolved``: :func:`~hyperac.planner.auto.resolve_choice`'s modes, swaps and predictions."""
     from .discovery import discover_layers
     from .plan import LayerPlan, Plan
-    from .planner.auto import resolve_choice
+    from .planner.auto import last_swap
 
-    modes, swaps, predictions = resolve_choice(estimate, chosen, budget_bytes, args.max_seq_len)
-    # The swap chain's last layer keeps its tensors (NOTE [Swap in the plan]): apply records it as not swapping.
-    last_swap = max((i for i, swap in enumerate(swaps) if swap), default=None)
+    modes, swaps, predictions = resolved
+    end = last_swap(swaps)  # the chain's last layer keeps its tensors: apply records it as not swapping
     layers = tuple(LayerPlan(layer.index, layer.fqn, mode, () if mode in ("off", "swap") else (layer.fqn,), (),
-                             swap and i != last_swap, layer.found_by)
+                             swap and i != end, layer.found_by)
                    for i, (layer, mode, swap) in enumerate(zip(discover_layers(model), modes, swaps)))
     notes = (f"planned by hyperac plan for {args.device}", *predictions.pop("notes"))
     shape = None if args.max_seq_len is None else (args.batch, args.max_seq_len)
@@ -254,11 +254,11 @@ def plan(args: argparse.Namespace) -> int:
     budget_bytes = parse_budget(args.budget, off)
     options = ESTIMATE_MODES if host_budget is None else ESTIMATE_MODES + SWAP_OPTIONS
     modes = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
+    resolved = resolve_choice(estimate, modes, budget_bytes, args.max_seq_len)
     buckets = () if args.max_seq_len is None else length_buckets(
-        bucket_bounds(args.max_seq_len, args.length_buckets), estimates, modes, resolve_choice(
-            estimate, modes, budget_bytes)[0], budget_bytes)
+        bucket_bounds(args.max_seq_len, args.length_buckets), estimates, modes, resolved[0], budget_bytes)
     if args.output is not None:
-        _write_plan(args.output, model, estimate, modes, budget_bytes, args, buckets)
+        _write_plan(args.output, model, resolved, args, buckets)
     print(estimate)
     length = "" if args.max_seq_len is None else (
         f", for batches up to sequence length {args.max_seq_len} (costs fitted from lengths {max(args.seq // 2, 1)} "

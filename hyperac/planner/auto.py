@@ -97,6 +97,12 @@ def link_bandwidth(backend: Any, model: nn.Module) -> float:
     return measured if measured is not None else min(profile.host_link_bandwidth for profile in DEVICES.values())
 
 
+def last_swap(swaps: Sequence[bool]) -> int | None:
+    """The last swapping layer: it keeps its tensors (its backward comes first) but stays in the chain
+    (NOTE [Swap in the plan]), and a plan records it as not swapping."""
+    return max((i for i, flag in enumerate(swaps) if flag), default=None)
+
+
 def plan_swaps(modes: Sequence[str], offloads: Sequence[bool]) -> tuple[list[str], list[bool]]:
     """Per-layer modes and swap flags (``apply``'s meaning) for layers that offload. When any does,
     the last layer joins the swap chain without offloading (NOTE [Swap in the plan]); ``off``
