@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from hyperac_testing import Stack
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -30,18 +31,6 @@ class Block(nn.Module):
         return self.b(self.d(torch.relu(self.a(x))))
 
 
-class Stack(nn.Module):
-    def __init__(self, count: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([Block() for _ in range(count)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def bucketed(plan: Plan, *modes: tuple[str, ...]) -> Plan:
     """``plan`` with buckets at 8, 16, ... running ``modes`` (the last also its layers')."""
     layers = tuple(dataclasses.replace(layer, mode=mode) for layer, mode in zip(plan.layers, modes[-1]))
@@ -54,7 +43,7 @@ def test_an_excluded_module_replays_from_its_record_after_a_switch():
     every layer to off before the one backward. The replay still takes the dropout's recorded output
     (its override stays in every bucket), so gradients equal the un-applied model's, bitwise."""
     adapter = Adapter(region_patterns=("*",), exclude_patterns=("*.d",))
-    model, reference = Stack(2), Stack(2)
+    model, reference = Stack(Block, 2), Stack(Block, 2)
     plan = hyperac.apply(model, mode="full", adapter=adapter)
     hyperac.remove(model)
     hyperac.apply(model, plan=bucketed(plan, ("off", "off"), ("full", "full")), adapter=adapter)
@@ -73,24 +62,24 @@ def test_an_excluded_module_replays_from_its_record_after_a_switch():
 def test_a_wrapped_layer_stays_off_in_every_bucket():
     """A layer wrapped by another checkpoint is refused in any mode but off, in every bucket, and the
     plan for batches longer than max_seq_len leaves it off."""
-    model = Stack(3)
-    model.layers[1] = checkpoint_wrapper(model.layers[1])
+    model = Stack(Block, 3)
+    model.blocks[1] = checkpoint_wrapper(model.blocks[1])
     plan = hyperac.apply(model, mode="off")
     hyperac.remove(model)
     hyperac.apply(model, plan=bucketed(plan, ("full", "off", "full"), ("full", "off", "full")))
-    assert "forward" not in model.layers[1].__dict__
-    switched = [module.__dict__["forward"] for module in model.layers if "forward" in module.__dict__]
+    assert "forward" not in model.blocks[1].__dict__
+    switched = [module.__dict__["forward"] for module in model.blocks if "forward" in module.__dict__]
     assert len(switched) == 2 and all(isinstance(v, RecomputedForward) for s in switched for v in s.variants)
     hyperac.remove(model)
-    with pytest.raises(hyperac.UnsupportedModelError, match=r"layer layers\.1 is already wrapped"):
+    with pytest.raises(hyperac.UnsupportedModelError, match=r"layer blocks\.1 is already wrapped"):
         hyperac.apply(model, plan=bucketed(plan, ("full", "full", "full"), ("full", "off", "full")))
-    assert hyperac.applied_plan(model) is None and "forward" not in model.layers[0].__dict__
+    assert hyperac.applied_plan(model) is None and "forward" not in model.blocks[0].__dict__
 
 
 def test_force_recompute_names_modules_of_the_default_plan():
     """``force_recompute`` is checked against the default plan's selective layers: buckets (and the
     longer batches' full plan) with none apply; a name the default's layers lack is refused."""
-    model = Stack(2)
+    model = Stack(Block, 2)
     plan = hyperac.apply(model, mode="selective")
     hyperac.remove(model)
     hyperac.apply(model, plan=bucketed(plan, ("off", "off"), ("selective", "selective")), force_recompute=["a"])
@@ -102,14 +91,14 @@ def test_force_recompute_names_modules_of_the_default_plan():
 
 @pytest.mark.parametrize("bounds", [(16, 8), (8, 8), ("8", 16), (8, 12)])
 def test_malformed_bucket_bounds_are_refused(bounds):
-    plan = hyperac.apply(Stack(2), mode="full").to_dict()
+    plan = hyperac.apply(Stack(Block, 2), mode="full").to_dict()
     plan.update(max_seq_len=16, buckets=[{"max_len": n, "modes": ["full", "full"]} for n in bounds])
     with pytest.raises(hyperac.ConfigError, match=r"ascending order, the last one max_seq_len \(16\)"):
         Plan.from_dict(plan)
 
 
 def test_a_knapsack_mode_in_any_bucket_needs_compile():
-    model = Stack(2)
+    model = Stack(Block, 2)
     plan = hyperac.apply(model, mode="full")
     hyperac.remove(model)
     with pytest.raises(hyperac.ConfigError, match=r"knapsack-0\.5.*Config\.compile is False"):
