@@ -20,7 +20,12 @@ the plan's predicted saved bytes are within 5% of the compiled step's.
 Every configuration compiles through its own backend object (dynamo keys its cache by backend,
 and ``activation_memory_budget`` is not part of dynamo's guards), so no configuration reuses
 another's graphs; the recompile limit is raised for the many configurations of one process.
-torchtitan's ``MemoryBudgetAC`` needs torchtitan, which needs torch 2.14: the script says whether it
+* ``torchtitan B`` (where torchtitan imports): torchtitan's ``MemoryBudgetAC`` at ``memory_budget=B``,
+  its own ``apply`` run while the configuration's backend compiles (it sets torch's global
+  ``activation_memory_budget`` and turns dynamo's LRU cache off, process-wide), the option restored
+  after. It is torch's budget through torchtitan's code path, and the table shows hyperac against it.
+
+torchtitan needs torch 2.14 (``tox -e models`` builds such an env): the script says whether it
 could import it and leaves it out otherwise.
 
     OMP_NUM_THREADS=1 python benchmarks/compiled_peers.py [--backend inductor] [--only demo|large] [--rounds N]
@@ -49,6 +54,15 @@ import hyperac  # noqa: E402
 from hyperac.plan import mode_letters  # noqa: E402
 
 BUDGETS = (0.5, 0.75)
+ROUNDS = {"demo": 31, "large": 24}
+"""Timed rounds per geometry: a large step's per-round ratios spread by +-5% on a shared CPU."""
+
+
+def median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 90% bootstrap interval of the median of per-round ratios (seeded: the same rounds give the same interval)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[draws // 20], medians[-draws // 20]
 
 
 class Backend:
@@ -60,6 +74,21 @@ class Backend:
     def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> Callable:
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
             return torch._dynamo.lookup_backend(self.name)(graph, inputs)
+
+
+class TitanBackend(Backend):
+    """A :class:`Backend` that runs torchtitan's ``MemoryBudgetAC.apply`` while it compiles."""
+
+    def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> Callable:
+        from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC
+
+        config = torch._functorch.config
+        before = config.activation_memory_budget
+        try:
+            MemoryBudgetAC(MemoryBudgetAC.Config(memory_budget=self.budget)).apply(graph)
+            return torch._dynamo.lookup_backend(self.name)(graph, inputs)
+        finally:
+            config.activation_memory_budget = before
 
 
 def saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
@@ -91,7 +120,8 @@ def compiled(base: nn.Module, backend: Backend, ids: torch.Tensor, **options: An
     return model, plan
 
 
-def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds: int) -> tuple[list[str], bool]:
+def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds: int,
+                 titan: bool) -> tuple[list[str], bool]:
     base = build(geometry)
     ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
     sample = {"input_ids": ids, "labels": ids}
@@ -102,6 +132,8 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
         models[label], _ = compiled(base, Backend(backend_name), ids)
     for budget in BUDGETS:
         models[f"torch {budget}"], _ = compiled(base, Backend(backend_name, budget), ids)
+        if titan:
+            models[f"torchtitan {budget}"], _ = compiled(base, TitanBackend(backend_name, budget), ids)
     for label, model in models.items():
         saved[label] = saved_bytes(model, ids)
     planning: dict[str, float] = {}
@@ -119,18 +151,23 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
         for label in order:
             times[label].append(step(models[label], ids))
 
+    def ratios(label: str, peer: str) -> list[float]:
+        return [a / b for a, b in zip(times[label], times[peer])]
+
     def ratio(label: str, peer: str) -> float:
-        return statistics.median(a / b for a, b in zip(times[label], times[peer]))
+        return statistics.median(ratios(label, peer))
 
     off = saved["off"]
     lines = [f"## {name}: hidden {geometry['hidden']}, {geometry['layers']} layers, seq {geometry['seq']}, "
              f"batch {geometry['batch']}; {backend_name}, per-layer compile, {rounds} rounds", "",
-             f"off-control / off step: {ratio('off-control', 'off'):.3f}x (the noise floor); apply(mode='auto') "
+             f"off-control / off step: {ratio('off-control', 'off'):.3f}x "
+             f"({'-'.join(f'{x:.3f}' for x in median_interval(ratios('off-control', 'off')))}, the noise floor); "
+             "apply(mode='auto') "
              f"+ compile + first step: {', '.join(f'{seconds:.0f} s' for seconds in planning.values())} (wall, "
              f"load average {os.getloadavg()[0]:.1f})", "",
              "| budget | torch: saved (x off) | hyperac auto: plan | saved (x off) | predicted / saved | "
-             "step hyperac / torch | result |", "|---|---|---|---|---|---|---|"]
-    passed = True
+             "step hyperac / torch (90% interval) | result |", "|---|---|---|---|---|---|---|"]
+    passed, notes = True, []
     for budget in BUDGETS:
         ours, theirs, plan = f"hyperac {budget}", f"torch {budget}", plans[f"hyperac {budget}"]
         step_ratio = ratio(ours, theirs)
@@ -138,8 +175,17 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
         ok = step_ratio <= 1.0 and saved[ours] <= 1.01 * saved[theirs] and abs(predicted - 1) <= 0.05
         passed &= ok
         lines.append(f"| {budget} | {saved[theirs] / off:.3f} | {mode_letters([lp.mode for lp in plan.layers])} | "
-                     f"{saved[ours] / off:.3f} | {predicted:.3f} | {step_ratio:.3f}x | {'PASS' if ok else 'FAIL'} |")
-    return lines, passed
+                     f"{saved[ours] / off:.3f} | {predicted:.3f} | {step_ratio:.3f}x "
+                     f"({'-'.join(f'{x:.3f}' for x in median_interval(ratios(ours, theirs)))}) | "
+                     f"{'PASS' if ok else 'FAIL'} |")
+        titan = f"torchtitan {budget}"
+        if titan in models:
+            notes.append(f"torchtitan MemoryBudgetAC {budget}: saved {saved[titan] / off:.3f}x off; hyperac's step "
+                         f"{ratio(ours, titan):.3f}x its step "
+                         f"({'-'.join(f'{x:.3f}' for x in median_interval(ratios(ours, titan)))}), "
+                         f"torch {budget}'s {ratio(theirs, titan):.3f}x")
+        notes.extend(f"hyperac {budget}: {note}" for note in plan.notes)
+    return lines + [""] + notes, passed
 
 
 def main() -> int:
@@ -153,12 +199,12 @@ def main() -> int:
     torch._dynamo.config.recompile_limit = 64
     titan = importlib.util.find_spec("torchtitan") is not None
     print(f"torch {torch.__version__}; torchtitan MemoryBudgetAC: "
-          f"{'importable (not yet compared here)' if titan else 'not installed (needs torch 2.14), left out'}")
+          f"{'compared' if titan else 'not installed (needs torch 2.14), left out'}")
     passed = True
     for name, geometry in GEOMETRIES.items():
         if args.only and name != args.only:
             continue
-        lines, ok = run_geometry(name, geometry, args.backend, args.rounds or geometry["rounds"])
+        lines, ok = run_geometry(name, geometry, args.backend, args.rounds or ROUNDS[name], titan)
         passed &= ok
         print("\n".join(lines), flush=True)
     print("PASS" if passed else "FAIL")

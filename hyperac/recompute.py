@@ -447,7 +447,13 @@ class KnapsackForward(Override):
         return self._in_region(*args, **kwargs)
 
     def _in_region(self, *args: Any, **kwargs: Any) -> Any:
-        torch._dynamo.graph_break()  # the budget must cover a whole graph: the layer's own
+        # The budget must cover a whole graph: the layer's own. Dynamo shows the message (a keyword
+        # literal) when fullgraph=True refuses the break.
+        torch._dynamo.graph_break(msg=(
+            "hyperac: a knapsack-* layer starts a graph of its own (torch applies a region budget only to a "
+            "whole graph), so it cannot be compiled with fullgraph=True; compile without fullgraph, or give the "
+            "layer a mode that compiles in one graph, such as 'pointwise' or 'selective'."
+        ))
         _, call = self.module_and_forward()
         with torch.autograd.graph.region_activation_memory_budget(KNAPSACK_MODES[self.mode]):
             return call(*args, **kwargs)

@@ -344,6 +344,23 @@ def test_knapsack_plan_round_trips_and_needs_compile(base_model):
         assert hyperac.applied_plan(other) is None
 
 
+def test_knapsack_layer_under_fullgraph_says_why(base_model, loss_fn, reference):
+    """torchtitan compiles each block with ``fullgraph=True``, which refuses the graph break a knapsack
+    layer starts with (NOTE [Knapsack layers]): dynamo's error carries hyperac's reason and the fix,
+    and the same plan compiled without ``fullgraph`` trains with torch's gradients."""
+    model = copy.deepcopy(base_model)
+    hyperac.apply(model, mode="knapsack-0.5", compile=True)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager_decomp_partition", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"knapsack-\* layer starts a graph of its own .* cannot "
+                                                             r"be compiled with fullgraph=True; compile without fullgraph"):
+        train_step(model, loss_fn)
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager_decomp_partition")
+    assert_parity(reference, train_step(model, loss_fn), exact=False)
+
+
 def test_knapsack_needs_region_budgets(base_model, monkeypatch):
     """A torch without ``region_activation_memory_budget`` (mocked: this torch has it): applying a
     knapsack mode is a clear error."""
