@@ -9,7 +9,11 @@ seeded Llama is deep-copied per configuration and every decoder layer compiled t
   budget per layer graph) for B in {0.5, 0.75};
 * ``hyperac B``: ``hyperac.apply(mode="auto", compile=<the backend>, budget=<torch B's saved
   bytes>)``: the planner times the modes compiled with the backend the layers then run under, and
-  gets exactly the bytes torch's budget saved, so both are held to the same number.
+  gets exactly the bytes torch's budget saved, so both are held to the same number;
+* ``torchtitan B`` (where torchtitan imports): torchtitan's ``MemoryBudgetAC`` at ``memory_budget=B``,
+  its own ``apply`` run while the configuration's backend compiles (it sets torch's global
+  ``activation_memory_budget`` and turns dynamo's LRU cache off, process-wide; both are restored
+  after). It is torch's budget through torchtitan's code path; the notes show hyperac against it.
 
 Saved bytes: what a step saves for backward (``saved_tensors_hooks``, distinct storages,
 parameters excluded), read after a first step (which compiles). Step time: interleaved rounds, one
@@ -20,15 +24,15 @@ the plan's predicted saved bytes are within 5% of the compiled step's.
 Every configuration compiles through its own backend object (dynamo keys its cache by backend,
 and ``activation_memory_budget`` is not part of dynamo's guards), so no configuration reuses
 another's graphs; the recompile limit is raised for the many configurations of one process.
-* ``torchtitan B`` (where torchtitan imports): torchtitan's ``MemoryBudgetAC`` at ``memory_budget=B``,
-  its own ``apply`` run while the configuration's backend compiles (it sets torch's global
-  ``activation_memory_budget`` and turns dynamo's LRU cache off, process-wide), the option restored
-  after. It is torch's budget through torchtitan's code path, and the table shows hyperac against it.
-
 torchtitan needs torch 2.14 (``tox -e models`` builds such an env): the script says whether it
 could import it and leaves it out otherwise.
 
+``--frontier`` times instead every mode on every layer (the knapsack modes too: ``knapsack-B`` on
+every layer is torch's budget B through a region budget) beside torch's budgets, and prints each
+one's saved bytes and step against torch's budget 0.75, with no PASS/FAIL.
+
     OMP_NUM_THREADS=1 python benchmarks/compiled_peers.py [--backend inductor] [--only demo|large] [--rounds N]
+                                                          [--frontier]
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ import hyperac  # noqa: E402
 from hyperac.plan import mode_letters  # noqa: E402
 
 BUDGETS = (0.5, 0.75)
+FRONTIER = ("off", "pointwise", "selective", "selective-even", "full", "knapsack-0.25", "knapsack-0.5",
+            "knapsack-0.75")
+"""The modes ``--frontier`` times on every layer."""
 ROUNDS = {"demo": 31, "large": 24}
 """Timed rounds per geometry: a large step's per-round ratios spread by +-5% on a shared CPU."""
 
@@ -62,7 +69,8 @@ def median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, floa
     """A 90% bootstrap interval of the median of per-round ratios (seeded: the same rounds give the same interval)."""
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return medians[draws // 20], medians[-draws // 20]
+    low = int(0.05 * draws)
+    return medians[low], medians[draws - 1 - low]
 
 
 class Backend:
@@ -89,6 +97,7 @@ class TitanBackend(Backend):
             return torch._dynamo.lookup_backend(self.name)(graph, inputs)
         finally:
             config.activation_memory_budget = before
+            torch._C._dynamo.eval_frame._set_lru_cache(True)  # dynamo's default, which MemoryBudgetAC turns off
 
 
 def saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
@@ -120,6 +129,40 @@ def compiled(base: nn.Module, backend: Backend, ids: torch.Tensor, **options: An
     return model, plan
 
 
+def interleaved(models: dict[str, nn.Module], ids: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+    """Seconds of one step per model per round, the models in a fresh shuffled order each round."""
+    times: dict[str, list[float]] = {label: [] for label in models}
+    order = list(models)
+    for _ in range(rounds):
+        random.shuffle(order)
+        for label in order:
+            times[label].append(step(models[label], ids))
+    return times
+
+
+def frontier(name: str, geometry: dict[str, int], backend_name: str, rounds: int) -> list[str]:
+    """``--frontier``: every mode on every layer (the knapsack modes too) beside torch's budgets and a
+    control (``off`` without hyperac), each configuration's saved bytes and step against torch's
+    budget at the last of ``BUDGETS``."""
+    base = build(geometry)
+    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+    models = {f"torch {budget}": compiled(base, Backend(backend_name, budget), ids)[0] for budget in BUDGETS}
+    models["off-control"], _ = compiled(base, Backend(backend_name), ids)
+    for mode in FRONTIER:
+        models[mode], _ = compiled(base, Backend(backend_name), ids, mode=mode)
+    saved = {label: saved_bytes(model, ids) for label, model in models.items()}
+    times = interleaved(models, ids, rounds)
+    peer = f"torch {BUDGETS[-1]}"
+    lines = [f"## {name}: uniform plans, {backend_name}, per-layer compile, {rounds} rounds", "",
+             f"| configuration | saved (x {peer}) | step (x {peer}, 90% interval) |", "|---|---|---|"]
+    for label in models:
+        per_round = [a / b for a, b in zip(times[label], times[peer])]
+        low, high = median_interval(per_round)
+        lines.append(f"| {label} | {saved[label] / saved[peer]:.3f} | {statistics.median(per_round):.3f}x "
+                     f"({low:.3f}-{high:.3f}) |")
+    return lines
+
+
 def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds: int,
                  titan: bool) -> tuple[list[str], bool]:
     base = build(geometry)
@@ -144,12 +187,7 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
                                                budget=saved[f"torch {budget}"])
         planning[label] = time.perf_counter() - start
         saved[label] = saved_bytes(models[label], ids)
-    times: dict[str, list[float]] = {label: [] for label in models}
-    order = list(models)
-    for _ in range(rounds):
-        random.shuffle(order)
-        for label in order:
-            times[label].append(step(models[label], ids))
+    times = interleaved(models, ids, rounds)
 
     def ratios(label: str, peer: str) -> list[float]:
         return [a / b for a, b in zip(times[label], times[peer])]
@@ -193,21 +231,26 @@ def main() -> int:
     parser.add_argument("--backend", default="inductor", help="compile backend (inductor, aot_eager_decomp_partition)")
     parser.add_argument("--only", choices=sorted(GEOMETRIES))
     parser.add_argument("--rounds", type=int, help="timed rounds (default: the geometry's)")
+    parser.add_argument("--frontier", action="store_true",
+                        help="instead: every mode on every layer beside torch's budgets (no PASS/FAIL)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     random.seed(0)
     torch._dynamo.config.recompile_limit = 64
-    titan = importlib.util.find_spec("torchtitan") is not None
+    titan = importlib.util.find_spec("torchtitan") is not None and not args.frontier
     print(f"torch {torch.__version__}; torchtitan MemoryBudgetAC: "
-          f"{'compared' if titan else 'not installed (needs torch 2.14), left out'}")
+          f"{'compared' if titan else 'not compared (--frontier, or not installed: it needs torch 2.14)'}")
     passed = True
     for name, geometry in GEOMETRIES.items():
         if args.only and name != args.only:
             continue
-        lines, ok = run_geometry(name, geometry, args.backend, args.rounds or ROUNDS[name], titan)
+        rounds = args.rounds or ROUNDS[name]
+        lines, ok = (frontier(name, geometry, args.backend, rounds), True) if args.frontier else \
+            run_geometry(name, geometry, args.backend, rounds, titan)
         passed &= ok
         print("\n".join(lines), flush=True)
-    print("PASS" if passed else "FAIL")
+    if not args.frontier:
+        print("PASS" if passed else "FAIL")
     return 0 if passed else 1
 
 

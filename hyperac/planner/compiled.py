@@ -38,18 +38,17 @@ plan's are measured, a whole step each. The solver takes the minimum over many m
 where the modes lie within the timing noise of each other it picks whichever noise favoured, and
 the plan it returns is slower than predicted (the winner's curse). On the hidden-512 Llama
 (``benchmarks/compiled_peers.py``, Inductor, CPU) the per-round step ratios spread by +-5%, and
-plans chosen that way ran 1.02-1.08x torch's budget at the same bytes (``eeep``, ``Fspp``), where
-the uniform plans that fit ran 0.99-1.01x. So the solver's plan replaces the fastest uniform plan
-that fits only when predicted faster than it by more than the noise of the profile: the median
-absolute deviation of the per-round ratios to ``off`` (pooled over the modes, scaled to a standard
-deviation) over the square root of the rounds, at least :data:`NOISE_FLOOR`. The noise falls with
-more rounds, and rounds are cheap where steps are short, so the profile times at least
-:data:`COMPILED_ROUNDS` rounds and then goes on, up to :data:`MAX_COMPILED_ROUNDS`, while its timed
-rounds have taken less than the compiling round did: planning then costs at most about twice
-compiling the options. On the demo model (CPU, one thread) the first ``apply`` timed 35 rounds
-with a noise of 1.5%, where 4 rounds gave 4.3%, in 16 s of planning; on the hidden-512 layer,
-whose step takes 1.7 s, 5 rounds with a noise of 3.4%, in 82 s. A second ``apply`` in the process
-finds the graphs compiled, so its compiling round is short and it times the fewest rounds.
+plans chosen that way ran 1.02-1.09x torch's budget at the same bytes (``eeep``, ``Fspp``), where
+the uniform plans that fit ran 0.98-1.02x. So the solver's plan replaces the fastest uniform plan
+that fits only when predicted faster than it by more than the noise of the profile: the standard
+error of the difference of two medians of per-round ratios to ``off``, from their median absolute
+deviation pooled over the modes, at least :data:`NOISE_FLOOR`. The noise falls with the square
+root of the rounds, and rounds are cheap where steps are short, so the profile times at least
+:data:`COMPILED_ROUNDS` rounds and then more until its timed rounds have taken
+:data:`TIMING_SECONDS` (at most :data:`MAX_COMPILED_ROUNDS`): the same however much of the
+compiling a warm cache saved. On the demo model (CPU, one thread) that was 45 rounds and a noise
+of 2.8% (the minimum of 4 rounds: about 7.6%), in 21 s of planning; on the hidden-512 layer, whose
+step takes 1.7 s, the 4 rounds, with a noise of 2.3%, in 71 s.
 
 NOTE [Timing with the user's backend]
 The modes are timed compiled with the backend the layers will run under (``Config.compile``), not
@@ -60,7 +59,7 @@ model (benchmarks/compiled_peers.py) its seconds had ``pointwise`` 1.047x ``off`
 ``selective`` 1.095x, Inductor's 1.006x and 1.059x, and under the bytes of torch's budget 0.75
 auto chose ``ssso`` (1.056x torch's step) from the first and ``pppp`` (0.958x) from the second.
 The price is compiling the five modes with that backend while planning: on the demo model
-(7 timed rounds, CPU) about 21 s with Inductor against 9 s with ``aot_eager_decomp_partition``.
+(then with 7 timed rounds, CPU) about 21 s with Inductor against 9 s with ``aot_eager_decomp_partition``.
 """
 
 from __future__ import annotations
@@ -85,13 +84,16 @@ from .profile import _loss
 from .restore import side_effects_undone
 from .solver import choose_modes
 
-__all__ = ["COMPILED_ROUNDS", "MAX_COMPILED_ROUNDS", "NOISE_FLOOR", "compile_backend", "compiled_auto_modes",
-           "compiled_estimate", "timing_noise"]
+__all__ = ["COMPILED_ROUNDS", "MAX_COMPILED_ROUNDS", "NOISE_FLOOR", "TIMING_SECONDS", "compile_backend",
+           "compiled_auto_modes", "compiled_estimate", "more_rounds", "timing_noise"]
 
 COMPILED_ROUNDS = 4
-"""The fewest timed rounds of the compiled profile, after the round that compiles and counts; more
-follow while timing has taken less time than compiling (NOTE [A mixed plan must beat the noise])."""
+"""The fewest timed rounds of the compiled profile, after the round that compiles and counts (NOTE
+[A mixed plan must beat the noise])."""
 MAX_COMPILED_ROUNDS = 64
+"""The most timed rounds of the compiled profile."""
+TIMING_SECONDS = 10.0
+"""Past :data:`COMPILED_ROUNDS`, the profile times more rounds until its timed rounds have taken this long."""
 NOISE_FLOOR = 0.01
 """The least fraction by which a mixed plan must beat the fastest uniform plan that fits."""
 
@@ -179,8 +181,10 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     order = list(ESTIMATE_MODES)
     with side_effects_undone(model, backend.device_type):
         model.train()
-        start, round_, compiling = time.perf_counter(), 0, 0.0
-        while round_ <= rounds or (round_ <= MAX_COMPILED_ROUNDS and time.perf_counter() - start < 2 * compiling):
+        round_, timing_since = 0, math.inf
+        while more_rounds(round_, rounds, time.perf_counter() - timing_since):
+            if round_ == 1:
+                timing_since = time.perf_counter()
             random.Random(round_).shuffle(order)
             for mode in order:
                 if round_ == 0:
@@ -194,8 +198,6 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
                         readings[mode].append(_timed_step(model, sample, backend.synchronize))
                 finally:
                     compiled.restore()
-            if round_ == 0:
-                compiling = time.perf_counter() - start
             round_ += 1
     # NOTE [Timing on a drifting host] in profile.py: per round, each mode relative to off.
     ratios = {m: [t / o for t, o in zip(readings[m], readings["off"])] for m in ESTIMATE_MODES}
@@ -215,34 +217,45 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
     return estimate, timing_noise([ratios[m] for m in ESTIMATE_MODES if m != "off"])
 
 
+def more_rounds(done: int, least: int, timing: float) -> bool:
+    """Whether the compiled profile times another round after ``done`` (round 0 compiles): always up
+    to ``least`` timed rounds, then while the timed rounds have taken under :data:`TIMING_SECONDS`
+    (``timing``), at most :data:`MAX_COMPILED_ROUNDS`."""
+    return done <= least or (done <= MAX_COMPILED_ROUNDS and timing < TIMING_SECONDS)
+
+
 def timing_noise(ratios: Sequence[Sequence[float]]) -> float:
-    """The noise of a median of per-round step ratios (NOTE [A mixed plan must beat the noise]): the
-    median absolute deviation of each mode's ratios from their median, pooled over the modes, as a
-    standard deviation (x1.4826) over the square root of the rounds; at least :data:`NOISE_FLOOR`."""
+    """The standard error of the difference of two medians of per-round step ratios (NOTE [A mixed
+    plan must beat the noise]): the median absolute deviation of each mode's ratios from their
+    median, pooled over the modes, as a standard deviation (x1.4826); a median's standard error is
+    1.2533 of it over the square root of the rounds, a difference's sqrt(2) of that. At least
+    :data:`NOISE_FLOOR`."""
     deviations = [abs(r - statistics.median(mode)) for mode in ratios for r in mode]
     if not deviations:
         return NOISE_FLOOR
     rounds = max(len(mode) for mode in ratios)
-    return max(NOISE_FLOOR, 1.4826 * statistics.median(deviations) / math.sqrt(rounds))
+    spread = 1.4826 * statistics.median(deviations)
+    return max(NOISE_FLOOR, 1.2533 * spread * math.sqrt(2 / rounds))
 
 
 def _mixed_or_uniform(estimate: Estimate, chosen: list[str], budget_bytes: int,
                       noise: float) -> tuple[list[str], list[str]]:
-    """The solver's plan, or the fastest uniform plan that fits where the solver's is not predicted
-    faster by more than ``noise`` (NOTE [A mixed plan must beat the noise]); and the plan's note."""
+    """The solver's plan, or the fastest uniform plan that fits where that is predicted no slower or
+    the solver's mixed plan is not predicted faster by more than ``noise`` (NOTE [A mixed plan must
+    beat the noise]); and the plan's note, where a mixed plan gave way within the noise."""
     count = len(chosen)
-    if len(set(chosen)) == 1:
-        return chosen, []
     fitting = [[m] * count for m in ESTIMATE_MODES if estimate.total_bytes([m] * count) <= budget_bytes]
     if not fitting:
         return chosen, []
     uniform = min(fitting, key=estimate.step_seconds)
     gain = 1 - estimate.step_seconds(chosen) / estimate.step_seconds(uniform)
+    if gain <= 0 or len(set(chosen)) <= 1:
+        return (uniform if gain <= 0 else chosen), []
     if gain > noise:
         return chosen, []
     return uniform, [
         f"auto chose every layer {uniform[0]}: the best mixed plan ({mode_letters(chosen)}) was predicted "
-        f"{100 * max(gain, 0):.1f}% faster, within the timing noise of the compiled profile ({100 * noise:.1f}%)"
+        f"{100 * gain:.1f}% faster, within the timing noise of the compiled profile ({100 * noise:.1f}%)"
     ]
 
 
