@@ -50,10 +50,11 @@ gives that graph the budget torch's global ``activation_memory_budget`` would: `
 from recomputing everything (0) to the partitioner's default saved set (1). torch accepts the
 annotation only when it covers every forward op of a graph, so the region starts with a graph
 break: under per-layer compile (``layer.compile()``) the layer's graph is the region; under
-whole-model compile the model's graph splits around each knapsack layer. ``fullgraph=True`` refuses
-the break, per layer too (``torch.compile(block, fullgraph=True)``, as torchtitan compiles), with
-hyperac's reason and fix as dynamo's message. A region takes a budget or a selective-checkpoint policy, not both (torch
-rejects the mix), so these layers have no checkpoint region. The grid 0.25 / 0.5 / 0.75 lies
+whole-model compile the model's graph splits around each knapsack layer. ``fullgraph=True``
+refuses the break, per layer too (``torch.compile(block, fullgraph=True)``, as torchtitan
+compiles), with hyperac's reason and fix as dynamo's message. A region takes a budget or a
+selective-checkpoint policy, not both (torch rejects the mix), so these layers have no checkpoint
+region. The grid 0.25 / 0.5 / 0.75 lies
 between hyperac's other options (one-layer Llama, hidden 64: off 302 KB, knapsack 236 / 211 /
 153 KB, full 104 KB). ``mode="auto"`` does not plan them (planner/compiled.py says why): a user
 names them with ``layers=`` or ``plan=``.
