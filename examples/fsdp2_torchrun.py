@@ -15,6 +15,7 @@ The model is built from a config (nothing is downloaded); about 15 s on 2 CPU co
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -69,6 +70,12 @@ def main() -> None:
             print(f"step {step}: loss {total.item() / world:.4f}", flush=True)
 
     hyperac.remove(model)  # the model trains on exactly as before
+    # Free what holds the collectives' work objects (FSDP2's state, the optimizer's sharded tensors)
+    # while the group is alive, and leave together: a gloo rank that exits while its peer still
+    # finishes its last collective, or whose work objects die with the interpreter, can abort at exit.
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
