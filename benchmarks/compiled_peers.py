@@ -65,12 +65,19 @@ ROUNDS = {"demo": 31, "large": 24}
 """Timed rounds per geometry: a large step's per-round ratios spread by +-5% on a shared CPU."""
 
 
-def median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
-    """A 90% bootstrap interval of the median of per-round ratios (seeded: the same rounds give the same interval)."""
+def median_interval(ratios: list[float], draws: int = 2000) -> str:
+    """A 90% bootstrap interval of the median of per-round ratios, as ``low-high`` (seeded: the same
+    rounds give the same interval)."""
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
     low = int(0.05 * draws)
-    return medians[low], medians[draws - 1 - low]
+    return f"{medians[low]:.3f}-{medians[draws - 1 - low]:.3f}"
+
+
+def inputs(geometry: dict[str, int]) -> tuple[nn.Module, torch.Tensor]:
+    """The geometry's seeded Llama and its token batch."""
+    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+    return build(geometry), ids
 
 
 class Backend:
@@ -144,8 +151,7 @@ def frontier(name: str, geometry: dict[str, int], backend_name: str, rounds: int
     """``--frontier``: every mode on every layer (the knapsack modes too) beside torch's budgets and a
     control (``off`` without hyperac), each configuration's saved bytes and step against torch's
     budget at the last of ``BUDGETS``."""
-    base = build(geometry)
-    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+    base, ids = inputs(geometry)
     models = {f"torch {budget}": compiled(base, Backend(backend_name, budget), ids)[0] for budget in BUDGETS}
     models["off-control"], _ = compiled(base, Backend(backend_name), ids)
     for mode in FRONTIER:
@@ -157,16 +163,14 @@ def frontier(name: str, geometry: dict[str, int], backend_name: str, rounds: int
              f"| configuration | saved (x {peer}) | step (x {peer}, 90% interval) |", "|---|---|---|"]
     for label in models:
         per_round = [a / b for a, b in zip(times[label], times[peer])]
-        low, high = median_interval(per_round)
         lines.append(f"| {label} | {saved[label] / saved[peer]:.3f} | {statistics.median(per_round):.3f}x "
-                     f"({low:.3f}-{high:.3f}) |")
+                     f"({median_interval(per_round)}) |")
     return lines
 
 
 def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds: int,
                  titan: bool) -> tuple[list[str], bool]:
-    base = build(geometry)
-    ids = torch.randint(0, 512, (geometry["batch"], geometry["seq"]), generator=torch.Generator().manual_seed(1))
+    base, ids = inputs(geometry)
     sample = {"input_ids": ids, "labels": ids}
     models: dict[str, nn.Module] = {}
     plans: dict[str, Any] = {}
@@ -199,7 +203,7 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
     lines = [f"## {name}: hidden {geometry['hidden']}, {geometry['layers']} layers, seq {geometry['seq']}, "
              f"batch {geometry['batch']}; {backend_name}, per-layer compile, {rounds} rounds", "",
              f"off-control / off step: {ratio('off-control', 'off'):.3f}x "
-             f"({'-'.join(f'{x:.3f}' for x in median_interval(ratios('off-control', 'off')))}, the noise floor); "
+             f"({median_interval(ratios('off-control', 'off'))}, the noise floor); "
              "apply(mode='auto') "
              f"+ compile + first step: {', '.join(f'{seconds:.0f} s' for seconds in planning.values())} (wall, "
              f"load average {os.getloadavg()[0]:.1f})", "",
@@ -214,13 +218,13 @@ def run_geometry(name: str, geometry: dict[str, int], backend_name: str, rounds:
         passed &= ok
         lines.append(f"| {budget} | {saved[theirs] / off:.3f} | {mode_letters([lp.mode for lp in plan.layers])} | "
                      f"{saved[ours] / off:.3f} | {predicted:.3f} | {step_ratio:.3f}x "
-                     f"({'-'.join(f'{x:.3f}' for x in median_interval(ratios(ours, theirs)))}) | "
+                     f"({median_interval(ratios(ours, theirs))}) | "
                      f"{'PASS' if ok else 'FAIL'} |")
         titan = f"torchtitan {budget}"
         if titan in models:
             notes.append(f"torchtitan MemoryBudgetAC {budget}: saved {saved[titan] / off:.3f}x off; hyperac's step "
                          f"{ratio(ours, titan):.3f}x its step "
-                         f"({'-'.join(f'{x:.3f}' for x in median_interval(ratios(ours, titan)))}), "
+                         f"({median_interval(ratios(ours, titan))}), "
                          f"torch {budget}'s {ratio(theirs, titan):.3f}x")
         notes.extend(f"hyperac {budget}: {note}" for note in plan.notes)
     return lines + [""] + notes, passed

@@ -30,7 +30,7 @@ from .planner import (
     remove_first_step_check,
 )
 from .planner.auto import last_swap, link_bandwidth
-from .planner.compiled import COMPILED_ROUNDS, compiled_auto_modes
+from .planner.compiled import compiled_auto_modes
 from .policy import OpSets, resolve_op_sets
 from .recompute import (
     build_context_fn,
@@ -279,7 +279,7 @@ def apply(
         modes, planned_swaps, prediction = compiled_auto_modes(
             model, found, config.budget, config.sample,
             _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
-            chosen_backend, COMPILED_ROUNDS, config.compile)
+            chosen_backend, config.compile)
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),

@@ -260,10 +260,11 @@ def _mixed_or_uniform(estimate: Estimate, chosen: list[str], budget_bytes: int,
 
 
 def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, run_mode: Callable,
-                        backend: Any, rounds: int, compile: bool | str) -> tuple[list[str], list[bool], dict[str, Any]]:
+                        backend: Any, compile: bool | str) -> tuple[list[str], list[bool], dict[str, Any]]:
     """``mode="auto"`` under ``compile=True``: per-layer modes (no swap) and the plan's predictions;
     the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``."""
-    estimate, noise = compiled_estimate(model, sample, layers, run_mode, backend, rounds, compile_backend(compile))
+    estimate, noise = compiled_estimate(model, sample, layers, run_mode, backend, COMPILED_ROUNDS,
+                                        compile_backend(compile))
     budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))
     chosen, notes = _mixed_or_uniform(estimate, choose_modes(estimate, budget_bytes, ESTIMATE_MODES, bound="kept"),
                                    budget_bytes, noise)
