@@ -218,12 +218,18 @@ def test_selective_keeps_npu_fused_attention(stand_in_npu, npu_ops, variant, bac
     assert runs == [{variant: runs_per_layer * len(model.blocks)}] * 2
 
 
-@pytest.mark.parametrize("variant", ("npu_fusion_attention", "npu_fusion_attention_v2"))
+@pytest.mark.parametrize("variant", [
+    "npu_fusion_attention", "npu_fusion_attention_v2",
+    pytest.param("npu_fusion_attention_v3", marks=pytest.mark.xfail(strict=True, reason=(
+        "v3 carries no nondeterministic_seeded tag; a kept op that advanced the generator must be found by "
+        "observation (design.md invariant 15, the policy's part of issue 25): drop this mark when that lands"))),
+])
 @pytest.mark.parametrize("mode", ["selective", "pointwise"])
 def test_kept_npu_attention_with_dropout_and_a_dropout_after_it(stand_in_npu, npu_ops, variant, mode):
-    """The tagged fused attentions (``nondeterministic_seeded``) draw their dropout seed from the
-    generator; kept, the replay leaves the generator where the forward left it, so the dropout after
-    them draws the forward's mask again: bitwise gradients, one kernel run per layer."""
+    """The fused attentions draw their dropout seed from the generator (v1 and v2 say so with the
+    ``nondeterministic_seeded`` tag, v3 does not); kept, the replay must leave the generator where
+    the forward left it, so the dropout after them draws the forward's mask again: bitwise
+    gradients, one kernel run per layer."""
     model = Stack(functools.partial(_AttentionBlock, variant, keep_prob=0.8, dropout=0.3))
     assert _kernel_runs(model, torch.randn(2, 6, 16), mode) == [{variant: len(model.blocks)}]
 
