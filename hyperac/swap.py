@@ -664,7 +664,7 @@ class SwapManager:
         reason = swap_ineligible(tensor, self.backend.device_type)
         if reason is None and tensor.untyped_storage().nbytes() < self.min_swap_bytes:
             return "small"
-        with _quiet():  # the backend may ask an op (torch_npu's npu::get_npu_format)
+        with _quiet():  # the backend may ask a dispatcher op (the NPU's format query)
             layout = self.backend.internal_format(tensor) if reason is None else None
         if layout is not None:
             warn_once(

@@ -373,6 +373,7 @@ class NpuDeviceModule(types.ModuleType):
         return self.available
 
     def is_initialized(self) -> bool:
+        """Whether anything called this module yet (the stand-in's lazy initialisation)."""
         return bool(self.calls)
 
     def device_count(self) -> int:

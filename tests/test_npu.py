@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -105,6 +107,25 @@ def _wheel_ops() -> list:
 # ---------------------------------------------------------------------------------------------
 
 
+def test_schema_script_repeats_torch_npus_registration():
+    """``scripts/npu_schemas.py`` rewrites the YAML schemas as torch_npu's code generator does before
+    ``m.def``: ``self`` becomes ``input``, several ``out`` tensors one ``Tensor[] out``. (It also checks
+    each result against the strings of the wheel's ``libtorch_npu.so``, which needs the wheel.)"""
+    path = Path(__file__).parent.parent / "scripts" / "npu_schemas.py"
+    spec = importlib.util.spec_from_file_location("npu_schemas", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.registered_schema("get_npu_format(Tensor self) -> int", 0) == "get_npu_format(Tensor input) -> int"
+    out = "f.out(Tensor self, int n, *, Tensor(a!) x, Tensor(b!) y) -> (Tensor(a!), Tensor(b!))"
+    assert script.out_count(out) == 2
+    assert script.registered_schema(out, 2) == "f.out(Tensor input, int n, *, Tensor[] out) -> (Tensor, Tensor)"
+    single = "g.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)"
+    assert script.out_count(single) == 1
+    assert script.registered_schema(single, 1) == "g.out(Tensor input, *, Tensor(a!) out) -> Tensor(a!)"
+    names = [op_name(entry["schema"]) for entry in SCHEMAS["ops"]]
+    assert names == sorted(set(names))
+
+
 def test_stand_in_ops_carry_the_wheels_schemas_and_tags(npu_ops):
     """Every op of the schema file is registered with exactly the wheel's schema and tags: the
     stand-ins are called, dispatched and classified as torch_npu's ops are."""
@@ -137,7 +158,7 @@ def test_npu_communication_ops_are_every_op_taking_an_hcom_or_group(npu_ops):
     assert listed == collectives
     for name in _NAMED_COLLECTIVES:
         assert getattr(torch.ops.npu, name).default in communication, name
-    assert not communication & (NpuBackend().attention_ops() - communication)
+    assert not communication & NpuBackend().attention_ops()
 
 
 def test_npu_op_handles_resolve_lazily(npu_ops):
@@ -447,8 +468,6 @@ class _BrokenTorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
-        import os
-
         os.environ[AUTOLOAD_ENV] = "0"
         raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")
 
@@ -469,7 +488,7 @@ def test_npu_import_failure_is_a_reason_not_a_crash(monkeypatch, autoload):
     how = ("TORCH_DEVICE_BACKEND_AUTOLOAD=0 kept `import torch` from importing it" if autoload
            else "this torch_npu registers no autoload entry point")
     assert how in reason and reason.endswith("Install Ascend CANN and source its set_env.sh, or uninstall torch-npu")
-    assert __import__("os").environ.get(AUTOLOAD_ENV) == autoload
+    assert os.environ.get(AUTOLOAD_ENV) == autoload
     assert hyperac.get_backend("auto").name != "npu"
 
 
