@@ -440,16 +440,25 @@ class _HyperacOps(TorchDispatchMode):
 def test_swap_hooks_issue_no_op_a_dispatch_mode_sees(stand_in_npu, npu_ops, backend):
     """A user's dispatch mode around forward and backward of swapped layers sees no op of swap's
     hooks (format queries, copies, allocations, rebuilds): they run in swap's quiet context. On the
-    NPU backend (the stand-in) the hooks ask ``npu::get_npu_format`` of every tensor they swap."""
+    NPU backend (the stand-in) the hooks ask ``npu::get_npu_format`` of every tensor they swap, and
+    the copies go through the device module's streams and events. Gradients are bitwise those of the
+    un-applied model."""
     model = Stack(_AttentionBlock, 3)
+    x = torch.randn(2, 6, 16)
+    loss = lambda m: m(x).square().mean()  # noqa: E731
+    reference = train_step(model, loss)
     applied, _ = applied_copy(model, layers="blocks", mode="swap", min_swap_bytes=0,
                               backend=_NpuOnCpu() if backend == "npu_on_cpu" else "sim")
     KERNEL_RUNS.clear()
+    stand_in_npu.calls.clear()
     with _HyperacOps() as seen:
-        applied(torch.randn(2, 6, 16)).square().mean().backward()
+        assert_parity(reference, train_step(applied, loss))
     assert seen.ops == []
     assert hyperac.swap_stats(applied).offloaded_tensors > 0
-    assert (KERNEL_RUNS["get_npu_format"] > 0) == (backend == "npu_on_cpu")
+    on_npu = backend == "npu_on_cpu"
+    assert (KERNEL_RUNS["get_npu_format"] > 0) == on_npu
+    if on_npu:
+        assert {"Stream", "Event", "record", "wait", "stream.enter"} <= set(stand_in_npu.names())
 
 
 # ---------------------------------------------------------------------------------------------
