@@ -252,7 +252,7 @@ def register_ops() -> torch.library.Library:
     for entry in SCHEMAS["ops"]:
         name = op_name(entry["schema"])
         base, _, overload = name.partition(".")
-        packet = getattr(torch.ops.npu, base, None) if hasattr(torch.ops.npu, base) else None
+        packet = getattr(torch.ops.npu, base, None)
         if packet is None or (overload or "default") not in packet.overloads():
             library.define(entry["schema"], tags=tuple(getattr(torch.Tag, tag) for tag in entry["tags"]))
     for name, (kernel, grad, tensor_inputs) in _KERNELS.items():
