@@ -351,7 +351,8 @@ class _Saved:
             (t._version for t in (self.tensor, original) if t is not None and t._version != self.version), None
         )
         if current is not None:
-            kind = torch.empty(0, dtype=self.dtype, device=self.device).type()  # torch.FloatTensor, as autograd says
+            with _quiet():  # the type name autograd's message shows: torch.FloatTensor
+                kind = torch.empty(0, dtype=self.dtype, device=self.device).type()
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"[{kind} {list(self.size)}] is at version {current}; expected version {self.version} instead. "
@@ -663,7 +664,8 @@ class SwapManager:
         reason = swap_ineligible(tensor, self.backend.device_type)
         if reason is None and tensor.untyped_storage().nbytes() < self.min_swap_bytes:
             return "small"
-        layout = self.backend.internal_format(tensor) if reason is None else None
+        with _quiet():  # the backend may ask a dispatcher op (the NPU's format query)
+            layout = self.backend.internal_format(tensor) if reason is None else None
         if layout is not None:
             warn_once(
                 f"a {list(tensor.shape)} tensor saved for backward is in the {self.backend.name} internal format "

@@ -160,7 +160,7 @@ class Backend:
 
     def device(self, index: int | None = None) -> torch.device:
         """The device tensors of this backend live on."""
-        return torch.device(self.name, index) if index is not None else torch.device(self.name)
+        return torch.device(self.device_type, index) if index is not None else torch.device(self.device_type)
 
     def new_stream(self, device: torch.device | None = None) -> Any:
         """A side stream of ``device`` (default: the current device) for copies (a
@@ -257,11 +257,17 @@ class DeviceModuleBackend(Backend):
     def _module(self) -> Any:
         return getattr(torch, self.name)
 
+    def _own(self, device: torch.device | None) -> torch.device | None:
+        """``device`` where it is one of this backend's, else ``None`` (the current device): the device
+        modules raise ``ValueError('Expected a npu device, but got: cpu')`` for a device of another type,
+        which a caller meets with a model whose parameters are still on the host or on ``meta``."""
+        return device if device is not None and device.type == self.device_type else None
+
     def new_stream(self, device: torch.device | None = None) -> Any:
-        return self._module().Stream(device=device)
+        return self._module().Stream(device=self._own(device))
 
     def current_stream(self, device: torch.device | None = None) -> Any:
-        return self._module().current_stream(device)
+        return self._module().current_stream(self._own(device))
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
         return self._module().stream(stream)
@@ -284,7 +290,7 @@ class DeviceModuleBackend(Backend):
         override = host_link_override()
         if override is not None:
             return override
-        device = torch.device(self.name, self._module().current_device()) if device is None else device
+        device = self._own(device) or self.device(self._module().current_device())
         key = (self.name, device.index)
         if key not in _MEASURED_LINKS:
             host = self.host_empty(torch.empty(32 << 20, dtype=torch.uint8, device="meta"), pinned=True)
@@ -300,13 +306,13 @@ class DeviceModuleBackend(Backend):
         return _MEASURED_LINKS[key]
 
     def synchronize(self, device: torch.device | None = None) -> None:
-        self._module().synchronize(device)
+        self._module().synchronize(self._own(device))
 
     def memory_allocated(self, device: torch.device | None = None) -> int:
-        return int(self._module().memory_allocated(device))
+        return int(self._module().memory_allocated(self._own(device)))
 
     def max_memory_allocated(self, device: torch.device | None = None) -> int:
-        return int(self._module().max_memory_allocated(device))
+        return int(self._module().max_memory_allocated(self._own(device)))
 
     def reset_peak_memory_stats(self, device: torch.device | None = None) -> None:
-        self._module().reset_peak_memory_stats(device)
+        self._module().reset_peak_memory_stats(self._own(device))
