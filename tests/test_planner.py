@@ -8,6 +8,7 @@ trips of plans, and estimating a large geometry on the ``meta`` device without a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -26,6 +27,7 @@ from hyperac_testing import (
     assert_parity,
     kv_cache_disabled,
     lm_loss,
+    loaded_host,
     measure,
     tiny_gpt2,
     tiny_llama,
@@ -1038,25 +1040,61 @@ def test_first_step_check_hooks_are_data_found_by_scanning(llama3, llama_batch):
     assert not model._forward_hooks and not model._forward_pre_hooks and not model._forward_hooks_always_called
 
 
-def test_sim_link_bandwidth_makes_exposed_copy_time_real():
-    """On ``sim`` with a slow host link, swapped layer inputs make the step wait on copies; with
-    enough per-op compute time the same copies hide behind compute (NOTE [Simulated link and
-    compute time]). What the planner's swap costing assumes, measured."""
+SIM_LINK = 2**19
+"""Bytes/s of the sim link below: a layer input of the tiny Llama (32 KiB) crosses it in 1/16 s."""
+
+
+def sim_swap_step(seconds_per_op, link=SIM_LINK, load=False):
+    """One step on ``sim`` of a tiny Llama under full recompute with its layer inputs swapped, every op
+    under ``computing``: the step's virtual seconds, the seconds it waited on copies, the statistics."""
     from hyperac.backends.sim import SimBackend
 
-    loss_fn = lm_loss(batch=2, seq=64)
-    waits = {}
-    for seconds_per_op in (0.0, 200e-6):
-        model = tiny_llama(num_layers=4)
-        backend = SimBackend(link_bandwidth=0.5e6, seconds_per_op=seconds_per_op)  # 32 KiB: 65 ms a copy
-        hyperac.apply(model, mode="full", swap_inputs=True, min_swap_bytes=0, backend=backend)
-        stats = hyperac.swap_stats(model)
-        with backend.computing():
-            loss_fn(model).backward()
-        backend.synchronize()
+    model = tiny_llama(num_layers=4)
+    backend = SimBackend(link_bandwidth=link, seconds_per_op=seconds_per_op)
+    hyperac.apply(model, mode="full", swap_inputs=True, min_swap_bytes=0, backend=backend)
+    stats = hyperac.swap_stats(model)
+    start = backend.clock()
+    with loaded_host(model) if load else contextlib.nullcontext(), backend.computing():
+        lm_loss(batch=2, seq=64)(model).backward()
+    step = backend.clock() - start
+    hyperac.remove(model)
+    return step, stats.wait_seconds, stats
+
+
+def test_sim_copies_hide_behind_compute_exactly_on_the_virtual_clock():
+    """On ``sim`` the link and compute take virtual time (NOTE [The virtual clock]), read exactly:
+    with no compute time every copy is exposed, one after another on the copy stream; with some,
+    part of them hides; with enough, all do. Always, the step is its compute (the same step on an
+    instant link) plus the copy time it waited. What the planner's swap costing assumes."""
+    copy_seconds = 2 * 64 * 64 * 4 / SIM_LINK
+    waited = {}
+    for seconds_per_op in (0.0, 2**-13, 2**-9):
+        step, waited[seconds_per_op], stats = sim_swap_step(seconds_per_op)
+        compute, instant_wait, _ = sim_swap_step(seconds_per_op, link=None)
         assert stats.offloaded_bytes == stats.reloaded_bytes == 3 * 2 * 64 * 64 * 4  # the last layer keeps its
-        waits[seconds_per_op] = stats.wait_seconds
-        hyperac.remove(model)
-    copy_seconds = 2 * 64 * 64 * 4 / 0.5e6
-    assert waits[0.0] > 2 * copy_seconds  # several copies exposed
-    assert waits[200e-6] < waits[0.0] / 2  # at least half of it hidden behind compute
+        assert instant_wait == 0.0
+        assert step == compute + waited[seconds_per_op], (seconds_per_op, step, compute, waited)
+    assert waited[0.0] == 6 * copy_seconds == 0.375
+    assert 0.0 < waited[2**-13] < waited[0.0]
+    assert waited[2**-9] == 0.0
+
+
+def test_sim_times_do_not_depend_on_how_busy_the_host_is():
+    """The same step with another thread spinning and every module sleeping before its forward:
+    the same virtual step time and waits, to the bit (a step measured on the host's clock took
+    0.136 s of waits on a loaded machine against 0.263 s on a quiet one)."""
+    quiet = sim_swap_step(2**-13)[:2]
+    assert quiet[1] > 0.0
+    assert sim_swap_step(2**-13, load=True)[:2] == quiet
+
+
+def test_sim_step_without_the_wait_on_the_reload_is_caught(monkeypatch):
+    """The virtual clock keeps the sim's checks: with the compute stream's waits on the copies
+    removed, the first read of a reloaded input is a named race."""
+    from hyperac.backends.sim import SimRaceError
+    from hyperac.swap import SwapManager
+
+    monkeypatch.setattr(SwapManager, "wait", lambda self, event, stream: None)
+    with pytest.raises(SimRaceError, match=r"\(compute\) on sim:0 compute reads a buffer that copy #\d+ on "
+                       r"sim:0 side stream \d+ writes, and sim:0 compute never waited"):
+        sim_swap_step(2**-13)

@@ -1224,13 +1224,16 @@ def test_small_tensors_and_parameters_stay_on_device(net):
 
 
 def test_stats_reset_keeps_timing_waits(net):
-    model = swapped(net, mode="swap")
+    """Waits are timed on the sim's virtual clock (NOTE [The virtual clock]): compute takes no time
+    here, so no copy hides and a step waits exactly the link time of the bytes it moved both ways."""
+    link = 2**20  # bytes/s: a whole number of ticks per byte
+    model = swapped(net, mode="swap", backend=SimBackend(link))
     train_step(model, net_loss())
     stats = hyperac.swap_stats(model)
     stats.reset()
     assert stats == SwapStats(wait_seconds=0.0)
     train_step(model, net_loss())
-    assert stats.waits > 0 and stats.wait_seconds > 0
+    assert stats.waits > 0 and stats.wait_seconds == (stats.offloaded_bytes + stats.reloaded_bytes) / link > 0
     assert "swap: offloaded" in str(stats)
 
 
