@@ -15,7 +15,6 @@ import contextlib
 import copy
 import gc
 import os
-import sys
 import warnings
 import weakref
 
@@ -27,6 +26,7 @@ from hyperac_testing import (
     assert_parity,
     freed_storage_tensors,
     hook_count,
+    hyperac_lines,
     lm_loss,
     measure,
     saved_for_backward,
@@ -666,24 +666,6 @@ def test_two_models_do_not_share_swap_state():
 
 
 # --- B.9.7 and B.9.10: teardown and leaks ---
-
-
-@contextlib.contextmanager
-def hyperac_lines(counts: collections.Counter, key: object):
-    """Count the lines of hyperac's own code that run inside, under ``counts[key]``: work, counted
-    rather than timed."""
-    root = os.path.dirname(hyperac.__file__)
-
-    def line(frame, event, arg):
-        counts[key] += event == "line"
-        return line
-
-    previous = sys.gettrace()
-    sys.settrace(lambda frame, event, arg: line if frame.f_code.co_filename.startswith(root) else None)
-    try:
-        yield
-    finally:
-        sys.settrace(previous)
 
 
 def test_500_apply_step_remove_or_drop_cycles_leave_nothing():
