@@ -177,7 +177,8 @@ class SimEvent:
 
     def wait(self, stream: SimStream | None = None) -> None:
         """Order ``stream``'s later work (default: the current stream of the event's device) after
-        this event. A stream that runs on the host (compute) gets the copies landed now."""
+        this event, and move its time up to the event's. A stream that runs on the host (compute)
+        gets the copies landed now, and the host waits with it (NOTE [The virtual clock])."""
         if self.stream is None:
             return
         waiter = stream if stream is not None else _current_stream(self.stream.device)
