@@ -207,7 +207,8 @@ def test_a_copy_of_a_swapping_model_keeps_the_sim_backends_settings(model, loss_
             loss_fn(applied).backward()
         timings.append((backend.clock() - start, stats.wait_seconds, stats.offloaded_bytes))
         hyperac.remove(applied)
-    assert timings[0][1] > 0 and timings[0][2] > 0, timings
+    step, waited, offloaded = timings[0]
+    assert step >= 2 * offloaded / settings["link_bandwidth"] and waited > 0, timings  # one copy stream, both ways
     assert timings[1] == timings[2] == timings[0]
 
 
