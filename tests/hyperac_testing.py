@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
-from collections.abc import Callable
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -376,3 +383,46 @@ def saved_for_backward(fn: Callable[[], Any]) -> tuple[Any, list[torch.Tensor]]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         result = fn()
     return result, saved
+
+
+@contextlib.contextmanager
+def loaded_host(model: nn.Module, seed: int = 0) -> Iterator[None]:
+    """A host as busy as a shared CI machine while ``model`` runs: another thread spins on the CPU
+    (and the interpreter lock), and every module's forward starts after a random sleep of up to a
+    millisecond. What a virtual clock reads must not change under it."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    delays = random.Random(seed)
+    handles = [module.register_forward_pre_hook(lambda *_: time.sleep(delays.uniform(0, 1e-3)))
+               for module in model.modules()]
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def hyperac_lines(counts: collections.Counter, key: object) -> Iterator[None]:
+    """Count the lines of hyperac's own code that run inside, under ``counts[key]``: work counted
+    rather than timed (CI machines are shared and 10x slower)."""
+    root = os.path.dirname(hyperac.__file__)
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        counts[key] += event == "line"
+        return line
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: line if frame.f_code.co_filename.startswith(root) else None)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)

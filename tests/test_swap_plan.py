@@ -12,11 +12,10 @@ import dataclasses
 import json
 import math
 import pickle
-import time
 
 import pytest
 import torch
-from hyperac_testing import assert_parity, kv_cache_disabled, lm_loss, measure, tiny_llama, train_step
+from hyperac_testing import assert_parity, kv_cache_disabled, lm_loss, loaded_host, measure, tiny_llama, train_step
 
 import hyperac
 from hyperac.backends import base
@@ -192,24 +191,36 @@ def test_min_swap_bytes_leaves_the_small_storages_of_a_layer_on_the_device(model
 
 def test_a_copy_of_a_swapping_model_keeps_the_sim_backends_settings(model, loss_fn):
     """deepcopy and pickle of an applied model rebuild its swap state on a backend with the same
-    link bandwidth and per-op compute time, so the copy's copies take time as the original's do."""
-    bandwidth = 2e6  # bytes/s: a layer input (32 KiB) takes 16 ms each way
+    link bandwidth and compute time, so that a step of the copy takes the virtual time (NOTE [The
+    virtual clock]) a step of the original does, to the bit, waits on copies included."""
+    settings = dict(link_bandwidth=2**21, seconds_per_op=2**-20, flops_per_second=2**30)  # 1/64 s a layer input
     original = copy.deepcopy(model)
-    hyperac.apply(original, mode="full", swap_inputs=True, min_swap_bytes=0,
-                  backend=SimBackend(bandwidth, seconds_per_op=1e-6))
-    for twin in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
-        backend = twin.__dict__[STATE_KEY].swap.backend
-        assert (type(backend), backend.link_bandwidth, backend.seconds_per_op) == (SimBackend, bandwidth, 1e-6)
-        stats = hyperac.swap_stats(twin)
-        start = time.perf_counter()
-        loss_fn(twin).backward()
-        backend.synchronize()
-        # The offloads run one after another on the copy stream, each for its bytes over the link, so
-        # the step lasts at least their sum however busy the host (a busy host only overlaps them
-        # with more compute, which is why the waits themselves are not bounded here).
-        elapsed = time.perf_counter() - start
-        assert stats.offloaded_bytes > 0 and elapsed >= stats.offloaded_bytes / bandwidth, str(stats)
-        hyperac.remove(twin)
+    hyperac.apply(original, mode="full", swap_inputs=True, min_swap_bytes=0, backend=SimBackend(**settings))
+    timings = []
+    for applied in [original, copy.deepcopy(original), pickle.loads(pickle.dumps(original))]:
+        backend = applied.__dict__[STATE_KEY].swap.backend
+        assert type(backend) is SimBackend and {
+            name: getattr(backend, name) for name in settings} == settings
+        stats = hyperac.swap_stats(applied)
+        start = backend.clock()
+        with backend.computing():
+            loss_fn(applied).backward()
+        timings.append((backend.clock() - start, stats.wait_seconds, stats.offloaded_bytes))
+        hyperac.remove(applied)
+    step, waited, offloaded = timings[0]
+    assert step >= 2 * offloaded / settings["link_bandwidth"] and waited > 0, timings  # one copy stream, both ways
+    assert timings[1] == timings[2] == timings[0]
+
+
+def test_the_planner_times_sim_steps_on_the_virtual_clock(model, loss_fn, fast_estimate):
+    """``estimate`` on ``sim`` times its steps on the backend's virtual clock (``Backend.clock``): on
+    a host as busy as a shared CI machine, every layer's seconds are the same, to the bit."""
+    clone = copy.deepcopy(model)
+    with loaded_host(clone):
+        loaded = hyperac.estimate(clone, loss_fn, backend=SimBackend(FAST_LINK, SECONDS_PER_OP), min_swap_bytes=0)
+    assert all(layer.seconds["off"] > 0 for layer in loaded.layers)
+    assert [layer.seconds for layer in loaded.layers] == [layer.seconds for layer in fast_estimate.layers]
+    assert loaded.outside_seconds == fast_estimate.outside_seconds
 
 
 def test_a_swap_plan_round_trips_through_json(model, loss_fn, fast_plan):

@@ -220,6 +220,13 @@ class Backend:
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait for all work on ``device`` (default: the current device)."""
 
+    def clock(self, device: torch.device | None = None) -> float:
+        """Wait for all work on ``device``, then read the clock that step time is measured on
+        (seconds from an arbitrary origin): the host's ``perf_counter``, or a simulator's virtual
+        time (the ``sim`` backend: NOTE [The virtual clock])."""
+        self.synchronize(device)
+        return time.perf_counter()
+
     def memory_allocated(self, device: torch.device | None = None) -> int:
         """Bytes currently allocated on ``device`` (0 where not measurable)."""
         return 0

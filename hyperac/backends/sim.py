@@ -32,13 +32,29 @@ wrong numbers or a named :class:`SimRaceError` in a CPU test instead of a rare r
   device instead of the tensor gets streams of the wrong device, and its copies raise.
 - **Graph capture.** :meth:`SimBackend.capturing` marks a capture, as ``torch.cuda.graph`` does.
 
-NOTE [Simulated link and compute time]
-``SimBackend(link_bandwidth=B)`` gives copies a duration: a copy of ``n`` bytes occupies its stream
-for ``n / B`` seconds from when it is issued (or from when the copy before it ends), and a wait on
-it blocks the host until then. ``seconds_per_op=T`` makes every op take at least ``T`` while
-:meth:`SimBackend.computing` is active (wrap forward and backward together, as with any dispatch
-mode). Copies then hide behind compute exactly when there is enough of it, and the time a step
-waits on copies (``SwapStats.wait_seconds``) is real and measurable, as on an accelerator.
+NOTE [The virtual clock]
+Time on ``sim`` is virtual, so that no reading of it depends on how busy the host is. The host and
+every stream have a time: where the host is, and when the work issued on the stream so far ends.
+It is counted in integer ticks of 2**-40 s (about a picosecond), so that sums and differences of
+readings are exact and the same whatever the clock read before.
+
+- An op inside :meth:`SimBackend.computing` runs on the host: it starts when both the host and its
+  stream are free and takes ``seconds_per_op`` plus its FLOPs (as ``FlopCounterMode`` counts them)
+  over ``flops_per_second``; a copy issued on a compute stream does the same and takes
+  ``n / link_bandwidth`` for ``n`` bytes. The host and the stream move to its end.
+- A copy issued on a side stream starts when the host issues it or when the stream is free,
+  whichever is later, and takes ``n / link_bandwidth``; only the stream moves.
+- An event carries its stream's time when recorded. A stream that waits on it moves up to that
+  time if it is behind; when the waiting stream runs on the host (compute, or the current stream:
+  the copies land then), the host waits too. :meth:`SimBackend.wait` returns how far the waiting
+  stream moved: copy time that compute did not hide, summed in ``SwapStats.wait_seconds``.
+- Host synchronization (``event.synchronize``, ``stream.synchronize``, :meth:`SimBackend.synchronize`)
+  moves the host to the end of what it waited for. :meth:`SimBackend.clock` reads the host after
+  synchronizing; the planner times its steps on it.
+
+Nothing else takes time: ops outside ``computing`` (wrap forward and backward together, as with any
+dispatch mode) and hyperac's own bookkeeping are free. Copies hide behind compute exactly when there
+is enough of it, as on an accelerator, and a test can assert the times exactly.
 """
 
 from __future__ import annotations
@@ -47,7 +63,6 @@ import collections
 import contextlib
 import contextvars
 import math
-import time
 import weakref
 from collections.abc import Callable
 from typing import ClassVar
@@ -55,6 +70,7 @@ from typing import ClassVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
 from .base import Backend, host_link_override
 from .registry import register_backend
@@ -63,6 +79,27 @@ __all__ = ["SimBackend", "SimEvent", "SimRaceError", "SimStream"]
 
 TENSOR_DEVICE = 0
 """The sim device every (CPU) tensor lives on."""
+TICKS_PER_SECOND = 2**40
+"""Ticks of the virtual clock in a second (NOTE [The virtual clock])."""
+
+
+def _ticks(amount: float, rate: float | None) -> int:
+    """How long ``amount`` (bytes, FLOPs) takes at ``rate`` of them per second (``None``: instant), in ticks."""
+    return round(amount * TICKS_PER_SECOND / rate) if rate else 0
+
+
+class _Host:
+    """Where the host is on the virtual clock, in ticks."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def reach(self, time: int) -> None:
+        """The host waited until ``time``."""
+        self.now = max(self.now, time)
+
+
+_HOST = _Host()
 
 
 class SimRaceError(RuntimeError):
@@ -71,15 +108,15 @@ class SimRaceError(RuntimeError):
 
 class SimStream:
     """One stream of one sim device: a position, the positions of other streams it is ordered
-    after, and (side streams) the copies queued on it."""
+    after, (side streams) the copies queued on it, and its time (NOTE [The virtual clock])."""
 
     def __init__(self, device: int, name: str, compute: bool = False, bandwidth: float | None = None) -> None:
         self.device, self.name, self.compute, self.bandwidth = device, name, compute, bandwidth
         self.issued = 0  # position of the last op issued on this stream
         self.seen: weakref.WeakKeyDictionary[SimStream, int] = weakref.WeakKeyDictionary()
-        # (position, when it is done, the work, the side-stream positions it is ordered after)
-        self.pending: collections.deque[tuple[int, float, Callable[[], None], list]] = collections.deque()
-        self.busy_until = 0.0
+        # (position, the work, the side-stream positions it is ordered after)
+        self.pending: collections.deque[tuple[int, Callable[[], None], list]] = collections.deque()
+        self.now = 0  # virtual time (ticks) at which the work issued so far ends
         self.faults: list[str] = []
 
     def __repr__(self) -> str:
@@ -93,22 +130,23 @@ class SimStream:
         self.issued += 1
         return self.issued
 
+    def run(self, ticks: int) -> None:
+        """Account for work the host does on this stream, taking ``ticks``."""
+        self.now = _HOST.now = max(self.now, _HOST.now) + ticks
+
     def enqueue(self, work: Callable[[], None], nbytes: int) -> int:
         ticket = self.issue()
-        done = 0.0
-        if self.bandwidth:
-            done = self.busy_until = max(time.perf_counter(), self.busy_until) + nbytes / self.bandwidth
+        self.now = max(self.now, _HOST.now) + _ticks(nbytes, self.bandwidth)
         after = [(other, position) for other, position in self.seen.items()
                  if other.pending and other.pending[0][0] <= position]
-        self.pending.append((ticket, done, work, after))
+        self.pending.append((ticket, work, after))
         return ticket
 
     def run_until(self, ticket: int) -> None:
         while self.pending and self.pending[0][0] <= ticket:
-            _, done, work, after = self.pending.popleft()
+            _, work, after = self.pending.popleft()
             for other, position in after:  # what it was ordered after lands first
                 other.run_until(position)
-            _busy_wait(done)
             work()
 
     def wait_event(self, event: SimEvent) -> None:
@@ -121,38 +159,38 @@ class SimStream:
 
     def synchronize(self) -> None:
         self.run_until(self.issued)
-
-
-def _busy_wait(until: float) -> None:
-    """Block until ``perf_counter() >= until`` (``time.sleep`` is too coarse for microseconds)."""
-    while time.perf_counter() < until:
-        pass
+        _HOST.reach(self.now)
 
 
 class SimEvent:
-    """Marks a position of a :class:`SimStream`."""
+    """Marks a position of a :class:`SimStream`, and its time then."""
 
     def __init__(self) -> None:
         self.stream: SimStream | None = None
         self.ticket = 0
+        self.time = 0
 
     def record(self, stream: SimStream | None = None) -> None:
         self.stream = stream if stream is not None else _current_stream(TENSOR_DEVICE)
         self.ticket = self.stream.issue() if self.stream.compute else self.stream.issued
+        self.time = self.stream.now
 
     def wait(self, stream: SimStream | None = None) -> None:
         """Order ``stream``'s later work (default: the current stream of the event's device) after
-        this event. A stream that runs on the host (compute) gets the copies landed now."""
+        this event, and move its time up to the event's. A stream that runs on the host (compute)
+        gets the copies landed now, and the host waits with it (NOTE [The virtual clock])."""
         if self.stream is None:
             return
         waiter = stream if stream is not None else _current_stream(self.stream.device)
         if waiter is self.stream:
             return  # a stream waiting on its own event: orders nothing
         waiter.seen[self.stream] = max(waiter.seen.get(self.stream, 0), self.ticket)
+        waiter.now = max(waiter.now, self.time)
         if waiter.compute:
             waiter.issue()  # what compute issues from now on comes after the wait
         if waiter.compute or waiter is _current_stream(waiter.device):  # it runs on the host: land now
             self.stream.run_until(self.ticket)
+            _HOST.reach(self.time)
 
     def query(self) -> bool:
         return self.stream is None or not self.stream.pending or self.stream.pending[0][0] > self.ticket
@@ -160,6 +198,7 @@ class SimEvent:
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.run_until(self.ticket)
+            _HOST.reach(self.time)
 
 
 class _Access:
@@ -275,14 +314,14 @@ class _DeferredCopy:
 
 
 class _Computing(TorchDispatchMode):
-    """Compute's accesses, checked against the copies' (and every op takes at least ``seconds``)."""
+    """Compute's accesses, checked against the copies'; every op takes virtual time (``ticks``, plus
+    its FLOPs over ``flops_per_second``)."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, ticks: int, flops_per_second: float | None) -> None:
         super().__init__()
-        self.seconds = seconds
+        self.ticks, self.flops_per_second = ticks, flops_per_second
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        start = time.perf_counter()
         stream = _current_stream(TENSOR_DEVICE)
         mutable = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
         for name, value in [*zip((a.name for a in func._schema.arguments), args), *(kwargs or {}).items()]:
@@ -290,7 +329,9 @@ class _Computing(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout == torch.strided:
                     _LEDGER.check(stream, tensor, f"{func} (compute)", write=name in mutable)
         out = func(*args, **(kwargs or {}))
-        _busy_wait(start + self.seconds)
+        formula = flop_registry.get(func._overloadpacket) if self.flops_per_second else None
+        flops = formula(*args, **(kwargs or {}), out_val=out) if formula is not None else 0
+        stream.run(self.ticks + _ticks(flops, self.flops_per_second))
         return out
 
 
@@ -310,20 +351,22 @@ class SimBackend(Backend):
         return torch.device("cpu")
 
     def __init__(self, link_bandwidth: float | None = None, seconds_per_op: float = 0.0,
-                 current_device: int = TENSOR_DEVICE) -> None:
-        """``link_bandwidth``: bytes/s of host copies (``None``: instant); ``seconds_per_op``: the
-        least time an op takes inside :meth:`computing` (NOTE [Simulated link and compute time]);
+                 current_device: int = TENSOR_DEVICE, flops_per_second: float | None = None) -> None:
+        """``link_bandwidth``: bytes/s of host copies (``None``: instant); ``seconds_per_op`` and
+        ``flops_per_second`` (``None``: FLOPs are free): the time an op takes inside
+        :meth:`computing` (NOTE [The virtual clock]);
         ``current_device``: the sim device that is current (tensors live on ``sim:0``)."""
         self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet()
         self._host: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
         self.link_bandwidth = link_bandwidth
         self.seconds_per_op = seconds_per_op
         self.current_device = current_device
+        self.flops_per_second = flops_per_second
 
     def __reduce__(self) -> tuple:
         """A copy (deepcopy, pickle, a copied applied model's swap state) has the same settings and
         none of this backend's streams."""
-        return SimBackend, (self.link_bandwidth, self.seconds_per_op, self.current_device)
+        return SimBackend, (self.link_bandwidth, self.seconds_per_op, self.current_device, self.flops_per_second)
 
     def _index(self, device: torch.device | None) -> int:
         """The sim device of ``device`` (every tensor's), or the current one for ``None``."""
@@ -333,8 +376,9 @@ class SimBackend(Backend):
         return self.current_device if current is None else current
 
     def computing(self) -> contextlib.AbstractContextManager:
-        """Check compute's accesses while this is active; ops take at least ``seconds_per_op``."""
-        return _Computing(self.seconds_per_op)
+        """Check compute's accesses while this is active; ops take virtual time (``seconds_per_op``
+        each, plus their FLOPs over ``flops_per_second``)."""
+        return _Computing(round(self.seconds_per_op * TICKS_PER_SECOND), self.flops_per_second)
 
     @contextlib.contextmanager
     def capturing(self):
@@ -376,9 +420,11 @@ class SimBackend(Backend):
         return SimEvent()
 
     def wait(self, event: SimEvent, stream: SimStream | None = None) -> float:
-        start = time.perf_counter()
-        event.wait(stream if stream is not None else self.current_stream())
-        return time.perf_counter() - start
+        """Returns the virtual seconds ``stream`` waited (NOTE [The virtual clock])."""
+        waiter = stream if stream is not None else self.current_stream()
+        before = waiter.now
+        event.wait(waiter)
+        return (waiter.now - before) / TICKS_PER_SECOND
 
     def check_read(self, tensor: torch.Tensor, what: str = "a read") -> None:
         """Raise :class:`SimRaceError` unless a read of ``tensor`` on the current stream is ordered
@@ -411,12 +457,14 @@ class SimBackend(Backend):
             )
         _LEDGER.check(stream, source, what, write=False)
         _LEDGER.check(stream, destination, what, write=True)
+        nbytes = source.numel() * source.element_size()
         if stream.compute:
             destination.copy_(source)
+            stream.run(_ticks(nbytes, self.link_bandwidth))
             _LEDGER.copied(stream, stream.issue(), destination, source)
             return
         work = _DeferredCopy(stream, destination, source)
-        ticket = stream.enqueue(work, source.numel() * source.element_size())
+        ticket = stream.enqueue(work, nbytes)
         work.label = f"copy #{ticket}"
         _LEDGER.copied(stream, ticket, destination, source)
 
@@ -424,3 +472,8 @@ class SimBackend(Backend):
         """Land every copy queued on the streams this backend made."""
         for stream in list(self._streams):
             stream.synchronize()
+
+    def clock(self, device: torch.device | None = None) -> float:
+        """The host's virtual time after :meth:`synchronize`, in seconds (NOTE [The virtual clock])."""
+        self.synchronize(device)
+        return _HOST.now / TICKS_PER_SECOND

@@ -53,14 +53,14 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
     flags are left as they were.
     """
     on_meta = _device_type(model) == "meta"
-    # The sim backend's per-op compute time (NOTE [Simulated link and compute time]) is part of what is timed.
+    # The sim backend's per-op compute time (NOTE [The virtual clock]) is part of what is timed.
     computing = getattr(backend, "computing", contextlib.nullcontext)
     with side_effects_undone(model, backend.device_type), fused_attention_on_meta(on_meta), computing():
         model.train()  # on meta, maybe a prefix of the layers: NOTE [A prefix of a deep stack]
         profiles = profiled_stack(model, layers, on_meta, lambda profiled: profile_modes(
             model, sample, [layer.module for layer in profiled], ESTIMATE_MODES, _mixed_runner(model, profiled, runner),
             rounds=TIMED_ROUNDS if timed and not on_meta else 0,
-            synchronize=lambda: backend.synchronize(getattr(next(model.parameters(), None), "device", None)),
+            clock=lambda: backend.clock(getattr(next(model.parameters(), None), "device", None)),
         ))
     if not on_meta:
         return build_estimate(layers, profiles, timing=f"measured on {backend.name}",

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -264,16 +263,15 @@ def _watch(listener: Any, layer_modules: Sequence[nn.Module]) -> list:
 
 
 class _Clock:
-    """Per-layer forward and backward wall time of one step, from readings at layer boundaries
-    (the backend is synchronised at each, so that asynchronous devices are timed too)."""
+    """Per-layer forward and backward time of one step, from readings at layer boundaries of
+    ``clock`` (``Backend.clock``: it synchronises, so that asynchronous devices are timed too)."""
 
-    def __init__(self, synchronize: Callable[[], None]) -> None:
-        self.synchronize = synchronize
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.readings: dict[tuple[int, str], float] = {}
 
     def boundary(self, position: int, kind: str) -> None:
-        self.synchronize()
-        self.readings.setdefault((position, kind), time.perf_counter())
+        self.readings.setdefault((position, kind), self.clock())
 
     def seconds(self, count: int, start: float, end: float) -> dict[int | None, float]:
         read = self.readings
@@ -310,34 +308,33 @@ def _profiled_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Mod
 
 
 def _timed_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module],
-                synchronize: Callable[[], None]) -> dict[int | None, float]:
-    clock = _Clock(synchronize)
-    handles = _watch(clock, layer_modules)
+                clock: Callable[[], float]) -> dict[int | None, float]:
+    layer_clock = _Clock(clock)
+    handles = _watch(layer_clock, layer_modules)
     try:
         torch.manual_seed(0)
-        synchronize()
-        start = time.perf_counter()
+        start = clock()
         loss, output = _loss(model, sample)
         del output
         loss.backward()
-        synchronize()
-        end = time.perf_counter()
+        end = clock()
     finally:
         for handle in handles:
             handle.remove()
     model.zero_grad(set_to_none=True)
-    return clock.seconds(len(layer_modules), start, end)
+    return layer_clock.seconds(len(layer_modules), start, end)
 
 
 def profile_modes(
     model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: Sequence[str],
-    run_mode: Callable[[str | tuple[str, ...]], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
+    run_mode: Callable[[str | tuple[str, ...]], Callable[[], None]], rounds: int, clock: Callable[[], float],
 ) -> dict[str, ModeProfile]:
     """Profile every mode on every layer (NOTE [Identical layers measured once]), then time at
     least ``rounds`` rounds (NOTE [Timing on a drifting host]). ``modes`` include ``"off"``;
-    ``run_mode`` applies a mode to every layer, or a tuple of per-layer modes, and returns an undo.
-    Outside the layers, ``off`` gets the largest residual any step saw (the cost model takes the
-    largest over the modes, as it did from one step per mode)."""
+    ``run_mode`` applies a mode to every layer, or a tuple of per-layer modes, and returns an undo;
+    ``clock`` synchronises the device and reads the time (``Backend.clock``). Outside the layers,
+    ``off`` gets the largest residual any step saw (the cost model takes the largest over the modes,
+    as it did from one step per mode)."""
     count = len(layer_modules)
     off = _profiled_run(model, sample, layer_modules, run_mode, "off")
     groups = _identical_groups(layer_modules, off)
@@ -356,7 +353,7 @@ def profile_modes(
                                                     for p in range(count))
     if rounds:
         for mode, seconds in _timed_rounds(model, sample, layer_modules, list(modes), run_mode, rounds,
-                                           synchronize, groups, profiles).items():
+                                           clock, groups, profiles).items():
             profiles[mode].seconds = seconds
     return profiles
 
@@ -492,7 +489,7 @@ QUIET = 0.1
 
 def _timed_rounds(
     model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: list[str],
-    run_mode: Callable[[Any], Callable[[], None]], rounds: int, synchronize: Callable[[], None],
+    run_mode: Callable[[Any], Callable[[], None]], rounds: int, clock: Callable[[], float],
     groups: list[tuple[int, ...]], profiles: dict[str, ModeProfile],
 ) -> dict[str, dict[int | None, float]]:
     """Per mode, the seconds by layer (``None``: outside the layers) of NOTE [Timing on a drifting host]."""
@@ -508,7 +505,7 @@ def _timed_rounds(
         for assignment in _assignments(groups, modes, count, start=done):
             undo = run_mode(assignment)
             try:
-                seconds = _timed_step(model, sample, layer_modules, synchronize)
+                seconds = _timed_step(model, sample, layer_modules, clock)
             finally:
                 undo()
             outside.append(seconds[None])
