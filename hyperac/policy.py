@@ -51,6 +51,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
+from .op_identity import communicates, key_length
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
 
@@ -68,11 +69,17 @@ _KEY_SEQUENCE_DIMS = {
     "aten::_scaled_dot_product_fused_attention_overrideable": -2,
     "aten::_flash_attention_forward": -3,
     "aten::_efficient_attention_forward": -3,
+    "aten::scaled_dot_product_attention": -2,
+    "torch_attn::_varlen_attn": -3,
+    "ffpa_attn::_fwd_cute": -3,
+    "ffpa_attn::_varlen_fwd_cute": -3,
 }
 """The dimension of ``key`` (the second argument) that is its sequence, for the attention kernels whose
 layout is known (``(batch, heads, seq, dim)``, or ``(batch, seq, heads, dim)`` and packed ``(tokens,
-heads, dim)``). FlexAttention's is ``-2`` too; other attention ops (a vendor's fused kernel with a
-layout argument) are always kept."""
+heads, dim)``; packed kernels are weighed by their longest document, :func:`~hyperac.op_identity.key_length`).
+The composite ``scaled_dot_product_attention`` reaches a dispatch mode where a backend registers its own
+kernel for it instead of decomposing it (torch_npu does, for its NPU and AutogradNPU keys). FlexAttention's
+is ``-2`` too; other attention ops (a vendor's fused kernel with a layout argument) are always kept."""
 _ADDEND_FIRST_MATMULS = ("aten::addmm", "aten::baddbmm")
 """Matmuls whose first argument is the addend, not the left matrix."""
 _UNANNOTATED_ALIAS_OPS = ("aten::_unsafe_view",)
@@ -117,7 +124,7 @@ def _import_fsdp_ops() -> None:
 
 # What an op is to a policy. The recording and replay modes look each op up once per call, in a
 # per-OpSets table keyed by ``id(op)`` (hashing an OpOverload runs Python code; an int does not).
-_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP, _ATTENTION = range(6)
+_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _COLLECTIVE = range(7)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +138,9 @@ class OpSets:
     recompute: frozenset
     ignored: frozenset
     communication: frozenset = frozenset()
-    """The collectives among ``keep``: their outputs are kept in every recording mode and never
-    replayed (a replayed collective would run again on one rank only)."""
+    """The collectives the backend names (those whose schema takes no group); with every op whose
+    schema takes one (NOTE [Collectives by their schema] in op_identity.py), their outputs are kept in
+    every recording mode, with or without ``save_ops``, and never replayed."""
     save_ops: tuple[str, ...] | None = None
     """The ``Config.save_ops`` names the sets were resolved with (``None``: hyperac's own list)."""
     attention: frozenset = frozenset()
@@ -162,6 +170,8 @@ class OpSets:
             kind = _IGNORED
         elif op in self.recompute:
             kind = _RECOMPUTE
+        elif op in self.communication or communicates(op):
+            kind = _COLLECTIVE
         elif op in self.matmul:
             kind = _MATMUL
         elif op in self.attention:
@@ -201,12 +211,13 @@ def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -
         keep = _named_ops(save_ops)
         matmul = matmul & keep
     ignored = _all_overloads(_PROFILER_OPS + _FSDP_LIFECYCLE_OPS)
-    keep = keep - matmul - recompute
+    communication = backend.communication_ops() - ignored - recompute
+    keep = (keep | communication) - matmul - recompute
     attention = frozenset() if save_ops is not None else frozenset(
         op for op in keep if _key_sequence_dim(op) is not None
     )
     return OpSets(matmul=matmul, keep=keep, recompute=recompute, ignored=ignored,
-                  communication=backend.communication_ops() & keep, save_ops=save_ops, attention=attention)
+                  communication=communication, save_ops=save_ops, attention=attention)
 
 
 def _key_sequence_dim(op: Any) -> int | None:
@@ -244,9 +255,9 @@ def _attention_flops_per_byte(op: Any, args: tuple) -> Any:
     scores (``2 * key length * query channels``) and their product with the values (``2 * key length
     * value channels``), spread over the value channels. Causal masks are not discounted, as in
     PyTorch's flop counter."""
-    query, key, value = args[:3]
-    key_length = max(key.shape[_key_sequence_dim(op)], _planned_length.get())
-    per_element = 2 * key_length * (query.shape[-1] + value.shape[-1]) / value.shape[-1]
+    query, _, value = args[:3]
+    keys = max(key_length(op, args, _key_sequence_dim(op)), _planned_length.get())
+    per_element = 2 * keys * (query.shape[-1] + value.shape[-1]) / value.shape[-1]
     return per_element / query.element_size()
 
 
@@ -315,7 +326,7 @@ class SelectivePolicy:
         if kind == _ATTENTION:
             return (self.keep_every_matmul or self.cheapest_matmul is None
                     or _attention_flops_per_byte(op, args) >= self.cheapest_matmul)
-        return kind == _KEEP
+        return kind >= _KEEP
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         """The decision for ``op`` in PyTorch's policy-function form."""
@@ -533,9 +544,10 @@ class _RecordingMode(_EagerMode):
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
-        keeps = kind >= _MATMUL and not forced_recompute.get() and self.policy.keeps(kind, func, args)
+        keeps = kind == _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()
+                                        and self.policy.keeps(kind, func, args))
         self.tape.entries.append(self._keep(func, out) if keeps else None)
-        if func in self.policy.ops.communication:
+        if kind == _COLLECTIVE:
             self.collectives.add(len(self.tape.entries) - 1)
         return out
 

@@ -71,6 +71,13 @@ _GENERIC_ATTENTION_OPS = (
     "aten::_flash_attention_forward",
     "aten::_efficient_attention_forward",
     "aten::_flex_attention",
+    # The composite, where a backend registers a kernel for it rather than decomposing it (torch_npu).
+    "aten::scaled_dot_product_attention",
+    # torch.nn.attention.varlen.varlen_attn (packed documents; torchtitan's varlen backend).
+    "torch_attn::_varlen_attn",
+    # FFPA's CuTeDSL forward kernels, dense and packed.
+    "ffpa_attn::_fwd_cute",
+    "ffpa_attn::_varlen_fwd_cute",
 )
 
 # The functional collectives (what DTensor's redistributions and expert dispatch call; the autograd-aware
@@ -90,6 +97,12 @@ _GENERIC_COMMUNICATION_OPS = (
     "c10d::_reduce_scatter_base_",
     "c10d::reduce_scatter_tensor_coalesced_",
     "c10d::allreduce_",
+    # Expert-parallel dispatchers that keep their group in a buffer built beforehand: their schemas name no
+    # group (torchtitan's DeepEP ops; HybridEP's combine takes only a handle), so they are named here.
+    "deepep::dispatch",
+    "deepep::combine",
+    "hybridep::dispatch",
+    "hybridep::combine",
 )
 
 
