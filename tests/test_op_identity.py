@@ -21,9 +21,9 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from hyperac_testing import assert_parity, train_step
+from hyperac_testing import Stack, assert_parity, train_step
 from torch import nn
-from torch._library.opaque_object import OpaqueBase, get_opaque_type_name, register_opaque_type
+from torch._library import opaque_object
 from torch.library import Library
 
 import hyperac
@@ -36,15 +36,19 @@ RUNS: collections.Counter = collections.Counter()
 """Kernel runs by qualified op name (``namespace::op``)."""
 
 
-class DispatchHandle(OpaqueBase):
+# torch 2.13 names the base of opaque classes OpaqueBase; 2.14 (torchtitan's) CustomClassBase.
+_OPAQUE_BASE = getattr(opaque_object, "CustomClassBase", None) or opaque_object.OpaqueBase
+
+
+class DispatchHandle(_OPAQUE_BASE):
     """HybridEP's handle (torchtitan registers its own class of this name as an opaque reference type)."""
 
     def __init__(self, value: int = 0) -> None:
         self.value = value
 
 
-register_opaque_type(DispatchHandle, typ="reference")
-_HANDLE = get_opaque_type_name(DispatchHandle)
+opaque_object.register_opaque_type(DispatchHandle, typ="reference")
+_HANDLE = opaque_object.get_opaque_type_name(DispatchHandle)
 
 
 class _Differentiated(torch.autograd.Function):
@@ -282,18 +286,6 @@ class _MoeBlock(nn.Module):
         return x + self.down(torch.relu(self.exchange(self.up(self.norm(x)))))
 
 
-class _Stack(nn.Module):
-    def __init__(self, make_block, layers: int = 2) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([make_block() for _ in range(layers)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _loss(x: torch.Tensor):
     return lambda model: model(x).square().mean()
 
@@ -321,7 +313,7 @@ def test_collectives_run_once_per_layer_and_step(stand_ins, kind, options, runs)
     the hardware this cannot show the real kernel's traffic, only that hyperac does not call it
     again."""
     x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1))
-    model = _Stack(lambda: _MoeBlock(kind))
+    model = Stack(lambda: _MoeBlock(kind))
     reference = train_step(copy.deepcopy(model), _loss(x))
     hyperac.apply(model, layers="blocks", backend="cpu", **options)
     for _ in range(2):  # the second step replays from a fresh tape, too
@@ -335,7 +327,7 @@ def test_collectives_registered_after_apply_are_recognised(stand_ins):
     at first sight: a group-name argument (here typed ``Any``, as torch 2.13's functional collectives
     declare it) makes it a collective, kept and not replayed."""
     x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1))
-    model = _Stack(lambda: _MoeBlock("late"))
+    model = Stack(lambda: _MoeBlock("late"))
     reference_model = copy.deepcopy(model)
     hyperac.apply(model, layers="blocks", backend="cpu", mode="selective")
     library = Library("hyperac_late", "FRAGMENT")
@@ -400,7 +392,7 @@ def test_string_arguments_that_name_no_group_are_replayed(stand_ins):
             op = getattr(torch.ops.hyperac_plain, name).default
             assert not communicates(op) and op not in ops.communication, name
         x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1))
-        model = _Stack(lambda: _MoeBlock("plain"))
+        model = Stack(lambda: _MoeBlock("plain"))
         reference = train_step(copy.deepcopy(model), _loss(x))
         hyperac.apply(model, layers="blocks", backend="cpu", mode="selective")
         counted, result = _runs_per_layer(model, x, ("hyperac_plain::scatter_scale",))
@@ -558,7 +550,7 @@ def test_attention_kernels_are_kept_by_their_cost(attention_kernels, kind, shape
     packed = kind in ("ffpa_varlen", "varlen_attn")
     block = (lambda: _AttentionBlock(kind, shape)) if packed else (lambda: _AttentionBlock(kind))
     x = torch.randn(*((sum(shape),) if packed else shape), DIM, generator=torch.Generator().manual_seed(1))
-    model = _Stack(block)
+    model = Stack(block)
     reference = train_step(copy.deepcopy(model), _loss(x))
     hyperac.apply(model, layers="blocks", backend="cpu", mode=mode)
     runs = {"full": 2, "pointwise": 1}.get(mode, selective_runs)
