@@ -29,7 +29,7 @@ from torch.library import Library
 import hyperac
 from hyperac.backends import get_backend
 from hyperac.op_identity import communicates
-from hyperac.policy import resolve_op_sets
+from hyperac.policy import _ATTENTION, _COLLECTIVE, _KEEP, _MATMUL, _RECOMPUTE, resolve_op_sets
 
 DIM, TOKENS, EXPERTS = 16, 12, 4
 RUNS: collections.Counter = collections.Counter()
@@ -558,3 +558,39 @@ def test_attention_kernels_are_kept_by_their_cost(attention_kernels, kind, shape
         counted, result = _runs_per_layer(model, x, (_ATTENTION_KERNELS[kind],))
         assert counted == [runs]
         assert_parity(reference, result)
+
+
+# --- The reference system's op sets (seed-behaviour.md, A.1), op by op. ---
+
+_REFERENCE_TREATMENT = {
+    # Its matmuls alternate (aten.mm/matmul/linear/_grouped_mm/_scaled_grouped_mm) or are always kept
+    # (addmm, bmm, _scaled_mm: a biased Linear kept, a bias-free one alternated); hyperac alternates all
+    # alike, the documented better treatment.
+    _MATMUL: ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "aten::_scaled_mm",
+              "aten::_grouped_mm", "aten::_scaled_grouped_mm"),
+    # The partitioner's other compute-intensive ops and the FP8 amax.
+    _KEEP: ("aten::convolution", "aten::upsample_bilinear2d", "aten::max"),
+    # Always kept there; here kept where worth their bytes (NOTE [Attention kept by its cost per byte]).
+    _ATTENTION: ("aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+                 "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_fused_attention_overrideable", "aten::scaled_dot_product_attention",
+                 "aten::_flash_attention_forward", "aten::_efficient_attention_forward", "torch_attn::_varlen_attn",
+                 "ffpa_attn::_fwd_cute", "ffpa_attn::_varlen_fwd_cute"),
+    _COLLECTIVE: ("_c10d_functional::all_to_all_single", "_c10d_functional::reduce_scatter_tensor",
+                  "c10d::allreduce_", "deepep::dispatch", "deepep::combine", "hybridep::dispatch", "hybridep::combine"),
+    _RECOMPUTE: ("aten::topk",),
+}
+
+
+def test_the_reference_systems_op_sets_are_covered(stand_ins, attention_kernels):
+    """Every op the reference system's selective policy names (its compute, attention and communication
+    sets; its higher-order ops and torch_npu's attention are another module's) is classified as it keeps
+    it, or as the documented better rule: alternated matmuls, attention by its cost. Its partitioner's
+    ``convolution_backward`` runs only in backward, which records nothing."""
+    ops = resolve_op_sets(get_backend("cpu"))
+    for kind, names in _REFERENCE_TREATMENT.items():
+        for name in names:
+            namespace, _, op_name = name.partition("::")
+            packet = getattr(getattr(torch.ops, namespace), op_name)
+            overload = packet.default if "default" in packet.overloads() else getattr(packet, packet.overloads()[0])
+            assert ops.classify(overload)[0] == kind, name
