@@ -41,7 +41,7 @@ def communicates(op: Any) -> bool:
       ``c10d::alltoall_base_``), ``SymmetricMemory`` (``symm_mem::nccl_put_signal``);
     * a group's name, as a string or as ``Any`` (a name or a group object): ``group_name``
       (``_c10d_functional::*``, ``_dtensor::shard_dim_alltoall``, ``symm_mem::*``,
-      ``hybridep::dispatch``), ``hcom`` (torch_npu's matmuls fused with a collective,
+      ``hybridep::dispatch``), ``hcom`` (the Ascend NPU extension's matmuls fused with a collective,
       ``npu_mm_all_reduce_base``, ``npu_all_to_all_matmul``, ``npu_alltoallv_gmm``), ``group``
       (``_npu_distribute_barrier``), ``group_ep``/``group_tp`` (``npu_moe_distribute_dispatch``,
       ``_combine`` and their ``_v2``), ``process_group``.

@@ -80,8 +80,9 @@ _KEY_SEQUENCE_DIMS = {
 layout is known (``(batch, heads, seq, dim)``, or ``(batch, seq, heads, dim)`` and packed ``(tokens,
 heads, dim)``; packed kernels are weighed by their longest document, :func:`~hyperac.op_identity.key_length`).
 The composite ``scaled_dot_product_attention`` reaches a dispatch mode where a backend registers its own
-kernel for it instead of decomposing it (torch_npu does, for its NPU and AutogradNPU keys). FlexAttention's
-is ``-2`` too; other attention ops (a vendor's fused kernel with a layout argument) are always kept."""
+kernel for it instead of decomposing it (the Ascend NPU extension does, for its NPU and AutogradNPU
+keys). FlexAttention's is ``-2`` too; other attention ops (a vendor's fused kernel with a layout
+argument) are always kept."""
 _ADDEND_FIRST_MATMULS = ("aten::addmm", "aten::baddbmm")
 """Matmuls whose first argument is the addend, not the left matrix."""
 _UNANNOTATED_ALIAS_OPS = ("aten::_unsafe_view",)
