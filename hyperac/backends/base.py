@@ -82,7 +82,9 @@ _GENERIC_ATTENTION_OPS = (
 
 # The functional collectives (what DTensor's redistributions and expert dispatch call; the autograd-aware
 # ``all_to_all_single_autograd`` runs ``_c10d_functional::all_to_all_single`` below autograd, where a
-# dispatch mode sees it) and the in-place c10d collectives behind ``torch.distributed``'s API.
+# dispatch mode sees it) and the in-place c10d collectives behind ``torch.distributed``'s API. The policy
+# also finds these by their schema (NOTE [Collectives by their schema] in op_identity.py); only the ones
+# whose schema names no group depend on this list.
 _GENERIC_COMMUNICATION_OPS = (
     "_c10d_functional::all_to_all_single",
     "_c10d_functional::reduce_scatter_tensor",
@@ -256,7 +258,9 @@ class Backend:
         return resolve_ops(_GENERIC_ATTENTION_OPS)
 
     def communication_ops(self) -> frozenset:
-        """Collective overloads whose outputs the selective policy keeps (never replayed)."""
+        """Collective overloads whose outputs the selective policy keeps (never replayed), besides every op
+        whose schema takes a process group or a group's name, which it finds itself: name here the
+        collectives whose schema names no group (a dispatcher holding its group in a buffer)."""
         return resolve_ops(_GENERIC_COMMUNICATION_OPS)
 
     def __repr__(self) -> str:
