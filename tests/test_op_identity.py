@@ -322,10 +322,11 @@ def test_collectives_run_once_per_layer_and_step(stand_ins, kind, options, runs)
         assert_parity(reference, result)
 
 
-def test_collectives_registered_after_apply_are_recognised(stand_ins):
+def test_collectives_registered_after_apply_are_recognised():
     """An op registered after ``hyperac.apply`` (torch_npu's, a custom kernel library's) is classified
     at first sight: a group-name argument (here typed ``Any``, as torch 2.13's functional collectives
-    declare it) makes it a collective, kept and not replayed."""
+    declare it) makes it a collective, kept and not replayed. One rank, a stand-in kernel: what
+    crosses a network is not shown."""
     x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1))
     model = Stack(lambda: _MoeBlock("late"))
     reference_model = copy.deepcopy(model)
@@ -375,7 +376,7 @@ _NOT_COLLECTIVES = (
 )
 
 
-def test_string_arguments_that_name_no_group_are_replayed(stand_ins):
+def test_string_arguments_that_name_no_group_are_replayed():
     """An op with ``str reduce="sum"``, ``str input_layout``, an ``int group`` or ``int[]? group_sizes`` and
     ``str? comm_mode`` is an ordinary op: selective replays it (it runs twice per layer), with bitwise
     gradients. torch_npu's attention, quantization, group norm and gating schemas are no collectives."""
