@@ -307,8 +307,9 @@ class Config:
     names (``"aten::mm"``: every overload; ``"aten::mm.default"``: one) or op objects
     (``torch.ops.aten.mm.default``, ``torch.ops.aten.mm``, a higher-order op like flex attention).
     Listed matmuls alternate as usual (``pointwise``: all kept), unlisted ones are recomputed, as
-    is every other unlisted op; ``topk`` is recomputed even when listed (MoE routers write into its
-    outputs)."""
+    is every other unlisted op but collectives, which are kept listed or not (a replayed collective
+    would run on one rank only: NOTE [Collectives by their schema] in op_identity.py); ``topk`` is
+    recomputed even when listed (MoE routers write into its outputs)."""
 
     force_recompute: Any = ()
     """Selective modes: modules inside each layer whose ops keep nothing, named relative to the

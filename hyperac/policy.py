@@ -10,10 +10,12 @@ the rest:
   only cheap ops);
 * other compute-intensive ops (convolutions, bilinear upsampling), collectives and ``max`` (FP8
   scaling reads it) are kept; attention ops are kept where recomputing them costs at least as many
-  FLOPs per kept byte as the layer's matmuls (NOTE [Attention kept by its cost per byte]); the
-  attention and collective overloads come from the backend, resolved
-  when the policy is built, so kernels registered after import (a vendor extension, custom kernels)
-  count;
+  FLOPs per kept byte as the layer's matmuls (NOTE [Attention kept by its cost per byte]), in the
+  place of the next matmuls the alternation would keep (NOTE [Attention kept in a matmul's place]);
+  the attention and collective overloads come from the backend, resolved when the policy is built,
+  so kernels registered after import (a vendor extension, custom kernels) count, and any op whose
+  schema takes a process group or a group's name is a collective, found when first seen (NOTE
+  [Collectives by their schema] in op_identity.py);
 * ``topk`` is always recomputed: models (MoE routers) change its outputs in place;
 * profiler markers and FSDP parameter-lifecycle ops run as usual but stay out of the replay
   accounting, so an FSDP unshard that happens outside the region in forward and inside it in
@@ -51,6 +53,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
+from .op_identity import communicates, key_length
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
 
@@ -68,11 +71,18 @@ _KEY_SEQUENCE_DIMS = {
     "aten::_scaled_dot_product_fused_attention_overrideable": -2,
     "aten::_flash_attention_forward": -3,
     "aten::_efficient_attention_forward": -3,
+    "aten::scaled_dot_product_attention": -2,
+    "torch_attn::_varlen_attn": -3,
+    "ffpa_attn::_fwd_cute": -3,
+    "ffpa_attn::_varlen_fwd_cute": -3,
 }
 """The dimension of ``key`` (the second argument) that is its sequence, for the attention kernels whose
 layout is known (``(batch, heads, seq, dim)``, or ``(batch, seq, heads, dim)`` and packed ``(tokens,
-heads, dim)``). FlexAttention's is ``-2`` too; other attention ops (a vendor's fused kernel with a
-layout argument) are always kept."""
+heads, dim)``; packed kernels are weighed by their longest document, :func:`~hyperac.op_identity.key_length`).
+The composite ``scaled_dot_product_attention`` reaches a dispatch mode where a backend registers its own
+kernel for it instead of decomposing it (the Ascend NPU extension does, for its NPU and AutogradNPU
+keys). FlexAttention's is ``-2`` too; other attention ops (a vendor's fused kernel with a layout
+argument) are always kept."""
 _ADDEND_FIRST_MATMULS = ("aten::addmm", "aten::baddbmm")
 """Matmuls whose first argument is the addend, not the left matrix."""
 _UNANNOTATED_ALIAS_OPS = ("aten::_unsafe_view",)
@@ -117,7 +127,7 @@ def _import_fsdp_ops() -> None:
 
 # What an op is to a policy. The recording and replay modes look each op up once per call, in a
 # per-OpSets table keyed by ``id(op)`` (hashing an OpOverload runs Python code; an int does not).
-_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP, _ATTENTION = range(6)
+_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _COLLECTIVE = range(7)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +141,9 @@ class OpSets:
     recompute: frozenset
     ignored: frozenset
     communication: frozenset = frozenset()
-    """The collectives among ``keep``: their outputs are kept in every recording mode and never
-    replayed (a replayed collective would run again on one rank only)."""
+    """The collectives the backend names (those whose schema takes no group); with every op whose
+    schema takes one (NOTE [Collectives by their schema] in op_identity.py), their outputs are kept in
+    every recording mode, with or without ``save_ops``, and never replayed."""
     save_ops: tuple[str, ...] | None = None
     """The ``Config.save_ops`` names the sets were resolved with (``None``: hyperac's own list)."""
     attention: frozenset = frozenset()
@@ -162,6 +173,8 @@ class OpSets:
             kind = _IGNORED
         elif op in self.recompute:
             kind = _RECOMPUTE
+        elif op in self.communication or communicates(op):
+            kind = _COLLECTIVE
         elif op in self.matmul:
             kind = _MATMUL
         elif op in self.attention:
@@ -201,12 +214,13 @@ def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -
         keep = _named_ops(save_ops)
         matmul = matmul & keep
     ignored = _all_overloads(_PROFILER_OPS + _FSDP_LIFECYCLE_OPS)
-    keep = keep - matmul - recompute
+    communication = backend.communication_ops() - ignored - recompute
+    keep = (keep | communication) - matmul - recompute
     attention = frozenset() if save_ops is not None else frozenset(
         op for op in keep if _key_sequence_dim(op) is not None
     )
     return OpSets(matmul=matmul, keep=keep, recompute=recompute, ignored=ignored,
-                  communication=backend.communication_ops() & keep, save_ops=save_ops, attention=attention)
+                  communication=communication, save_ops=save_ops, attention=attention)
 
 
 def _key_sequence_dim(op: Any) -> int | None:
@@ -221,6 +235,22 @@ def _matmul_flops_per_byte(op: Any, args: tuple) -> Any:
     """FLOPs one output byte of a matmul costs to recompute: ``2 * K`` per element."""
     left = args[1] if op._schema.name in _ADDEND_FIRST_MATMULS else args[0]
     return 2 * left.shape[-1] / left.element_size()
+
+
+def _matmul_output_bytes(op: Any, args: tuple) -> int:
+    """The bytes of a matmul's output, from its operands: ``left``'s rows times ``right``'s columns
+    (``linear``'s weight is ``(out, in)``)."""
+    left, right = args[1:3] if op._schema.name in _ADDEND_FIRST_MATMULS else args[:2]
+    columns = right.shape[0] if op._schema.name == "aten::linear" else right.shape[-1]
+    return left.numel() // max(left.shape[-1], 1) * columns * left.element_size()
+
+
+def _attention_output_bytes(args: tuple) -> int:
+    """The bytes an attention kernel keeps: its output (one value vector per query) and, as the fused
+    kernels keep for backward, one float32 statistic per query (the log-sum-exp)."""
+    query, _, value = args[:3]
+    rows = query.numel() // max(query.shape[-1], 1)
+    return rows * (value.shape[-1] * query.element_size() + 4)
 
 
 _planned_length: contextvars.ContextVar[int] = contextvars.ContextVar("hyperac_planned_length", default=0)
@@ -240,14 +270,14 @@ def weighing_attention_at(length: int) -> Iterator[None]:
 
 
 def _attention_flops_per_byte(op: Any, args: tuple) -> Any:
-    """FLOPs one byte of an attention output (per query and value channel) costs to recompute: the
-    scores (``2 * key length * query channels``) and their product with the values (``2 * key length
-    * value channels``), spread over the value channels. Causal masks are not discounted, as in
+    """FLOPs one kept byte of attention costs to recompute: per query, the scores (``2 * key length *
+    query channels``) and their product with the values (``2 * key length * value channels``), over
+    the bytes kept per query (:func:`_attention_output_bytes`). Causal masks are not discounted, as in
     PyTorch's flop counter."""
-    query, key, value = args[:3]
-    key_length = max(key.shape[_key_sequence_dim(op)], _planned_length.get())
-    per_element = 2 * key_length * (query.shape[-1] + value.shape[-1]) / value.shape[-1]
-    return per_element / query.element_size()
+    query, _, value = args[:3]
+    keys = max(key_length(op, args, _key_sequence_dim(op)), _planned_length.get())
+    rows = query.numel() // max(query.shape[-1], 1)
+    return 2 * keys * (query.shape[-1] + value.shape[-1]) * rows / _attention_output_bytes(args)
 
 
 def _named_ops(names: tuple[str, ...]) -> frozenset:
@@ -293,6 +323,21 @@ class SelectivePolicy:
     so while it profiles attention is weighed at ``max_seq_len`` (:func:`weighing_attention_at`):
     the fit then holds at ``max_seq_len``, and a shorter training batch that recomputes its attention
     keeps less than planned, never more.
+
+    NOTE [Attention kept in a matmul's place]
+    Kept attention is not kept on top of the alternation: it takes the place of the matmuls the
+    alternation would keep next, which are recomputed until their output bytes cover the attention's
+    (its output and log-sum-exp). So a selective region keeps no more than the alternation alone
+    (torchtitan's SelectiveAC on its own llama3, where attention on the CPU is not in its list and
+    hyperac kept it on top: 1.09x). The attention is kept only where a byte of it costs at least as
+    many FLOPs to recompute as a byte of the cheapest matmul before it; in a transformer block the
+    matmul whose place it takes is the MLP's first projection (``w1``, ``gate_proj``), as cheap per
+    byte as the QKV projections and wider than the attention output, so the layer keeps less, and at
+    the lengths where attention is kept it mostly replays less too (the geometries of torchtitan's
+    llama3 in tests/test_torchtitan.py: 0.88-0.89x the bytes, 0.91-1.01x the FLOPs). The rule is
+    decided in forward order from shapes only, so eager and compiled regions agree; a region that
+    ends after its attention with no kept matmul to take its place (an attention-only region) keeps
+    that attention on top. ``pointwise`` keeps every matmul anyway.
     """
 
     def __init__(self, ops: OpSets, mode: str = "selective", offload: bool = False) -> None:
@@ -302,6 +347,9 @@ class SelectivePolicy:
         self.kept_parity = 0 if mode == "selective-even" else 1
         self.cheapest_matmul: Any = None
         """Fewest FLOPs per output byte of the region's matmuls so far (NOTE [Attention kept by its cost per byte])."""
+        self.attention_bytes = 0
+        """Bytes of kept attention that no recomputed matmul has yet made room for (NOTE [Attention kept in
+        a matmul's place])."""
         # Under compile, kept outputs of a swapping layer go to host memory (NOTE [Swap under torch.compile]).
         self.kept = CheckpointPolicy.MUST_CPU_OFFLOAD if offload else CheckpointPolicy.MUST_SAVE
 
@@ -311,11 +359,20 @@ class SelectivePolicy:
             self.num_matmuls += 1
             cost = _matmul_flops_per_byte(op, args)
             self.cheapest_matmul = cost if self.cheapest_matmul is None else min(self.cheapest_matmul, cost)
-            return self.keep_every_matmul or self.num_matmuls % 2 == self.kept_parity
+            if self.keep_every_matmul or self.num_matmuls % 2 != self.kept_parity:
+                return self.keep_every_matmul
+            if self.attention_bytes > 0:  # its place goes to attention kept before it
+                self.attention_bytes = max(0, self.attention_bytes - _matmul_output_bytes(op, args))
+                return False
+            return True
         if kind == _ATTENTION:
-            return (self.keep_every_matmul or self.cheapest_matmul is None
-                    or _attention_flops_per_byte(op, args) >= self.cheapest_matmul)
-        return kind == _KEEP
+            if self.keep_every_matmul:
+                return True
+            if self.cheapest_matmul is not None and _attention_flops_per_byte(op, args) < self.cheapest_matmul:
+                return False
+            self.attention_bytes += _attention_output_bytes(args)
+            return True
+        return kind >= _KEEP
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         """The decision for ``op`` in PyTorch's policy-function form."""
@@ -533,9 +590,10 @@ class _RecordingMode(_EagerMode):
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
-        keeps = kind >= _MATMUL and not forced_recompute.get() and self.policy.keeps(kind, func, args)
+        keeps = kind == _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()
+                                        and self.policy.keeps(kind, func, args))
         self.tape.entries.append(self._keep(func, out) if keeps else None)
-        if func in self.policy.ops.communication:
+        if kind == _COLLECTIVE:
             self.collectives.add(len(self.tape.entries) - 1)
         return out
 

@@ -45,12 +45,23 @@ def test_short_sequences_recompute_attention_and_keep_less(mode):
     assert_parity(reference, train_step(applied, loss))
 
 
-def test_long_sequences_keep_attention():
-    model, loss = tiny_llama(num_layers=LAYERS), lm_loss(batch=BATCH, seq=64)
+def test_long_sequences_keep_attention_in_a_projections_place():
+    """At 64 tokens attention is kept, in the place of the next projection the alternation keeps
+    (``gate_proj``, the 5th matmul: NOTE [Attention kept in a matmul's place]): the layer keeps less
+    than the alternation alone and than the alternation with attention on top, and replays exactly
+    ``gate_proj`` more than the latter."""
+    seq, intermediate = 64, 128
+    model, loss = tiny_llama(num_layers=LAYERS), lm_loss(batch=BATCH, seq=seq)
     reference = train_step(model, loss)
     applied, _ = applied_copy(model, mode="selective", backend="cpu")
     keeping, _ = applied_copy(model, mode="selective", backend="cpu", save_ops=KEEPS_ATTENTION)
-    assert measure(applied, loss) == measure(keeping, loss)
+    alternating, _ = applied_copy(model, mode="selective", backend="cpu", save_ops=["aten::mm"])
+    kept, flops = measure(applied, loss)
+    kept_with_attention, flops_with_attention = measure(keeping, loss)
+    gate_bytes, gate_flops = BATCH * seq * intermediate * 4, 2 * BATCH * seq * HEADS * HEAD_DIM * intermediate
+    assert kept_with_attention - kept == LAYERS * gate_bytes
+    assert flops - flops_with_attention == LAYERS * gate_flops
+    assert kept < measure(alternating, loss)[0]
     assert_parity(reference, train_step(applied, loss))
 
 

@@ -121,7 +121,8 @@ def test_op_sets_are_immutable_and_their_cache_read_only():
     from hyperac.policy import resolve_op_sets
 
     ops = resolve_op_sets(get_backend("cpu"), ("aten::mm",))
-    assert ops.matmul == frozenset(_all_mm_overloads()) and ops.keep == frozenset()
+    # Only the collectives are kept besides the list (NOTE [Collectives by their schema]).
+    assert ops.matmul == frozenset(_all_mm_overloads()) and ops.keep == ops.communication != frozenset()
     assert ops.classify(torch.ops.aten.mm.default) == ops.table[id(torch.ops.aten.mm.default)][0]
     with pytest.raises(TypeError):
         ops.table[0] = None

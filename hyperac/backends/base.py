@@ -71,11 +71,20 @@ _GENERIC_ATTENTION_OPS = (
     "aten::_flash_attention_forward",
     "aten::_efficient_attention_forward",
     "aten::_flex_attention",
+    # The composite, where a backend registers a kernel for it rather than decomposing it (torch_npu).
+    "aten::scaled_dot_product_attention",
+    # torch.nn.attention.varlen.varlen_attn (packed documents; torchtitan's varlen backend).
+    "torch_attn::_varlen_attn",
+    # FFPA's CuTeDSL forward kernels, dense and packed.
+    "ffpa_attn::_fwd_cute",
+    "ffpa_attn::_varlen_fwd_cute",
 )
 
 # The functional collectives (what DTensor's redistributions and expert dispatch call; the autograd-aware
 # ``all_to_all_single_autograd`` runs ``_c10d_functional::all_to_all_single`` below autograd, where a
-# dispatch mode sees it) and the in-place c10d collectives behind ``torch.distributed``'s API.
+# dispatch mode sees it) and the in-place c10d collectives behind ``torch.distributed``'s API. The policy
+# also finds these by their schema (NOTE [Collectives by their schema] in op_identity.py); only the ones
+# whose schema names no group depend on this list.
 _GENERIC_COMMUNICATION_OPS = (
     "_c10d_functional::all_to_all_single",
     "_c10d_functional::reduce_scatter_tensor",
@@ -90,6 +99,12 @@ _GENERIC_COMMUNICATION_OPS = (
     "c10d::_reduce_scatter_base_",
     "c10d::reduce_scatter_tensor_coalesced_",
     "c10d::allreduce_",
+    # Expert-parallel dispatchers that keep their group in a buffer built beforehand: their schemas name no
+    # group (torchtitan's DeepEP ops; HybridEP's combine takes only a handle), so they are named here.
+    "deepep::dispatch",
+    "deepep::combine",
+    "hybridep::dispatch",
+    "hybridep::combine",
 )
 
 
@@ -243,7 +258,9 @@ class Backend:
         return resolve_ops(_GENERIC_ATTENTION_OPS)
 
     def communication_ops(self) -> frozenset:
-        """Collective overloads whose outputs the selective policy keeps (never replayed)."""
+        """Collective overloads whose outputs the selective policy keeps (never replayed), besides every op
+        whose schema takes a process group or a group's name, which it finds itself: name here the
+        collectives whose schema names no group (a dispatcher holding its group in a buffer)."""
         return resolve_ops(_GENERIC_COMMUNICATION_OPS)
 
     def __repr__(self) -> str:
