@@ -20,9 +20,10 @@ import torch
 
 __all__ = ["communicates", "key_length"]
 
-_GROUP_CLASSES = ("ProcessGroup", "SymmetricMemory", "Backend", "Work")
-"""TorchScript classes of ``torch.classes.c10d`` that are a handle on communication (``ReduceOp``, a
-value, is not)."""
+_GROUP_CLASSES = ("ProcessGroup", "SymmetricMemory")
+"""TorchScript classes that are a handle on a group of ranks, in any namespace, by the start of their
+name (``c10d.ProcessGroup``, ``c10d.SymmetricMemory``, the Ascend extension's
+``npu_custom_dist.ProcessGroupHCCL``); ``c10d.ReduceOp``, a value, is not one."""
 
 
 def communicates(op: Any) -> bool:
@@ -37,8 +38,10 @@ def communicates(op: Any) -> bool:
     by what it must be told: which ranks to talk to. Every collective API in use names them in
     its schema, in one of two ways:
 
-    * a ``torch.classes.c10d`` object: ``ProcessGroup`` (``c10d::allreduce_``, ``c10d::send``,
-      ``c10d::alltoall_base_``), ``SymmetricMemory`` (``symm_mem::nccl_put_signal``);
+    * a group object: ``c10d.ProcessGroup`` (``c10d::allreduce_``, ``c10d::send``,
+      ``c10d::alltoall_base_``), ``c10d.SymmetricMemory`` (``symm_mem::nccl_put_signal``), a
+      backend's own process group (the Ascend extension's ``npu_custom_dist::wrap_alltoallvc_inner``
+      takes a ``ProcessGroupHCCL``);
     * a group's name, as a string or as ``Any`` (a name or a group object): ``group_name``
       (``_c10d_functional::*``, ``_dtensor::shard_dim_alltoall``, ``symm_mem::*``,
       ``hybridep::dispatch``), ``hcom`` (the Ascend NPU extension's matmuls fused with a collective,
@@ -60,8 +63,7 @@ def communicates(op: Any) -> bool:
     for argument in schema.arguments:
         kind = _unwrapped(argument.type)
         if isinstance(kind, torch.ClassType):
-            qualified = kind.qualified_name()
-            if qualified.startswith("__torch__.torch.classes.c10d.") and qualified.rpartition(".")[2] in _GROUP_CLASSES:
+            if kind.qualified_name().rpartition(".")[2].startswith(_GROUP_CLASSES):
                 return True
         elif isinstance(kind, (torch.StringType, torch.AnyType)) and _names_a_group(argument.name):
             return True

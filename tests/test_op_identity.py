@@ -17,17 +17,20 @@ from __future__ import annotations
 import collections
 import copy
 import importlib
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hyperac_testing import Stack, assert_parity, train_step
+from npu_stand_in import SCHEMAS, op_name
 from torch import nn
 from torch._library import opaque_object
 from torch.library import Library
 
 import hyperac
 from hyperac.backends import get_backend
+from hyperac.backends.npu import _NPU_COMMUNICATION_OPS
 from hyperac.op_identity import communicates
 from hyperac.policy import _ATTENTION, _COLLECTIVE, _KEEP, _MATMUL, _RECOMPUTE, resolve_op_sets
 
@@ -104,66 +107,20 @@ def _counts(expert_ids: torch.Tensor) -> torch.Tensor:
     return torch.bincount(expert_ids.flatten(), minlength=EXPERTS)
 
 
-# torch_npu 2.14.0's schemas (csrc/aten/npu_native_functions*.yaml in the wheel), registered under a
-# namespace of the test's own: the rule reads the schema, whatever library registered it.
-_NPU_SCHEMAS = {
-    "npu_moe_distribute_dispatch": (
-        "npu_moe_distribute_dispatch(Tensor x, Tensor expert_ids, str group_ep, int ep_world_size, int ep_rank_id, "
-        "int moe_expert_num, *, Tensor? scales=None, Tensor? x_active_mask=None, Tensor? expert_scales=None, "
-        "str group_tp=\"\", int tp_world_size=0, int tp_rank_id=0, int expert_shard_type=0, int shared_expert_num=1, "
-        "int shared_expert_rank_num=0, int quant_mode=0, int global_bs=0, int expert_token_nums_type=1) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        lambda x, ids, *_: (x.flip(0), x.new_ones(x.shape[0]), ids.flatten().argsort(), _counts(ids), _counts(ids),
-                            _counts(ids), x.new_ones(x.shape[0])),
-    ),
-    "npu_moe_distribute_combine": (
-        "npu_moe_distribute_combine(Tensor expand_x, Tensor expert_ids, Tensor expand_idx, Tensor ep_send_counts, "
-        "Tensor expert_scales, str group_ep, int ep_world_size, int ep_rank_id, int moe_expert_num, *, "
-        "Tensor? tp_send_counts=None, Tensor? x_active_mask=None, Tensor? activation_scale=None, "
-        "Tensor? weight_scale=None, Tensor? group_list=None, Tensor? expand_scales=None, Tensor? shared_expert_x=None, "
-        "str group_tp=\"\", int tp_world_size=0, int tp_rank_id=0, int expert_shard_type=0, int shared_expert_num=1, "
-        "int shared_expert_rank_num=0, int global_bs=0, int out_dtype=0, int comm_quant_mode=0, "
-        "int group_list_type=0) -> Tensor",
-        lambda x, ids, idx, counts, scales, *_: x.flip(0) * scales.unsqueeze(-1),
-    ),
-    "npu_all_to_all_matmul": (
-        "npu_all_to_all_matmul(Tensor x1, Tensor x2, str hcom, int world_size, Tensor? bias=None, "
-        "int[]? all2all_axes=None, bool all2all_out_flag=True, str? comm_mode=None) -> (Tensor, Tensor)",
-        lambda x1, x2, *_: (x1.flip(0) @ x2, x1.flip(0)),
-    ),
-    "npu_matmul_all_to_all": (
-        "npu_matmul_all_to_all(Tensor x1, Tensor x2, str hcom, int world_size, Tensor? bias=None, "
-        "int[]? all2all_axes=None, str? comm_mode=None) -> Tensor",
-        lambda x1, x2, *_: (x1 @ x2).flip(0),
-    ),
-    "npu_quant_mm_reduce_scatter": (
-        "npu_quant_mm_reduce_scatter(Tensor self, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
-        "Tensor? bias=None, Tensor? x1_scale=None, Tensor? x2_scale=None, Tensor? quant_scale=None, int block_size=0, "
-        "int comm_turn=0, int[]? group_sizes=None, bool amax_output=False, int? y_dtype=None, int? x1_dtype=None, "
-        "int? x2_dtype=None, int? x1_scale_dtype=None, int? x2_scale_dtype=None, str? comm_mode=None) "
-        "-> (Tensor, Tensor)",
-        lambda x1, x2, *_: (x1 @ x2, (x1 @ x2).abs().amax()),
-    ),
-    "npu_alltoallv_gmm": (
-        "npu_alltoallv_gmm(Tensor gmm_x, Tensor gmm_weight, str hcom, int ep_world_size, int[] send_counts, "
-        "int[] recv_counts, *, Tensor? send_counts_tensor=None, Tensor? recv_counts_tensor=None, Tensor? mm_x=None, "
-        "Tensor? mm_weight=None, bool trans_gmm_weight=False, bool trans_mm_weight=False, bool permute_out_flag=False, "
-        "str? comm_mode=None) -> (Tensor, Tensor, Tensor)",
-        lambda x, w, *_: (x.flip(0) @ w[0], x.new_empty(0), x.flip(0)),
-    ),
-    "npu_all_gather_quant_mm": (
-        "npu_all_gather_quant_mm(Tensor self, Tensor x2, str hcom, int world_size, *, Tensor? bias=None, "
-        "Tensor? x1_scale=None, Tensor? x2_scale=None, Tensor? quant_scale=None, int block_size=0, int gather_index=0, "
-        "bool gather_output=True, int comm_turn=0, int[]? group_sizes=None, bool amax_output=False, "
-        "int? y_dtype=None, int? x1_dtype=None, int? x2_dtype=None, int? x1_scale_dtype=None, "
-        "int? x2_scale_dtype=None, str? comm_mode=None) -> (Tensor, Tensor, Tensor)",
-        lambda x1, x2, *_: (x1 @ x2, x1.clone(), (x1 @ x2).abs().amax()),
-    ),
-    "_npu_distribute_barrier": (
-        "_npu_distribute_barrier(Tensor x_ref, str group, int world_size, *, Tensor? time_out=None, "
-        "Tensor? elastic_info=None) -> Tensor",
-        lambda x, *_: x.clone(),
-    ),
+# torch_npu 2.14.0's schemas, from the file tests/npu_stand_in.py reads (the wheel's YAML), registered
+# under a namespace of the test's own: the rule reads the schema, whatever library registered it.
+_NPU_FILE = {op_name(entry["schema"]): entry["schema"] for entry in SCHEMAS["ops"]}
+_NPU_MATH = {
+    "npu_moe_distribute_dispatch": lambda x, ids, *_: (
+        x.flip(0), x.new_ones(x.shape[0]), ids.flatten().argsort(), _counts(ids), _counts(ids), _counts(ids),
+        x.new_ones(x.shape[0])),
+    "npu_moe_distribute_combine": lambda x, ids, idx, counts, scales, *_: x.flip(0) * scales.unsqueeze(-1),
+    "npu_all_to_all_matmul": lambda x1, x2, *_: (x1.flip(0) @ x2, x1.flip(0)),
+    "npu_matmul_all_to_all": lambda x1, x2, *_: (x1 @ x2).flip(0),
+    "npu_quant_mm_reduce_scatter": lambda x1, x2, *_: (x1 @ x2, (x1 @ x2).abs().amax()),
+    "npu_alltoallv_gmm": lambda x, w, *_: (x.flip(0) @ w[0], x.new_empty(0), x.flip(0)),
+    "npu_all_gather_quant_mm": lambda x1, x2, *_: (x1 @ x2, x1.clone(), (x1 @ x2).abs().amax()),
+    "_npu_distribute_barrier": lambda x, *_: x.clone(),
 }
 
 # torchtitan 0.3's torchtitan/distributed/deepep/{deepep,hybridep}.py: DeepEP's schemas name no group
@@ -200,14 +157,14 @@ def stand_ins():
     """The stand-in kernels, registered after hyperac was imported; unregistered afterwards."""
     for namespace in ("deepep", "hybridep", "hyperac_vendor"):
         if hasattr(torch.ops, namespace) and any(hasattr(getattr(torch.ops, namespace), name)
-                                                 for name in ("dispatch", *_NPU_SCHEMAS)):
+                                                 for name in ("dispatch", *_NPU_MATH)):
             pytest.skip(f"torch.ops.{namespace} is already registered (the real library is installed)")
     libraries = [Library(namespace, "FRAGMENT") for namespace in ("deepep", "hybridep", "hyperac_vendor")]
     for library in libraries[:2]:
         for schema, math in _EP_SCHEMAS[library.ns].values():
             _stand_in(library, schema, math)
-    for schema, math in _NPU_SCHEMAS.values():
-        _stand_in(libraries[2], schema, math)
+    for name, math in _NPU_MATH.items():
+        _stand_in(libraries[2], _NPU_FILE[name], math)
     yield
     for library in libraries:
         library._destroy()
@@ -358,22 +315,8 @@ def test_no_aten_op_is_a_collective():
     assert flagged == []
 
 
-# torch_npu 2.14.0 schemas that take strings or groups of another kind and communicate nothing.
-_NOT_COLLECTIVES = (
-    "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, Tensor? pse=None, "
-    "Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., float keep_prob=1., "
-    "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, "
-    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
-    "bool sync=False, str softmax_layout=\"\", Tensor? sink=None, Tensor? dropout_mask=None, int seed=0, "
-    "int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)",
-    "npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, int? dst_type=None, "
-    "str quant_mode=\"pertoken\", float dst_type_max=0.0) -> (Tensor, Tensor)",
-    "npu_group_norm_silu(Tensor input, Tensor? weight, Tensor? bias, int group, float eps=0.00001) "
-    "-> (Tensor, Tensor, Tensor)",
-    "npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, Tensor? tid2eid=None, "
-    "int k_group=1, int group_count=1, int group_select_mode=0, int renorm=0, int norm_type=0, bool out_flag=False, "
-    "float routed_scaling_factor=1.0, float eps=1e-20) -> (Tensor, Tensor, Tensor)",
-)
+# torch_npu schemas that take strings or groups of another kind and communicate nothing.
+_NOT_COLLECTIVES = ("npu_fusion_attention", "npu_dynamic_quant", "npu_group_norm_silu", "npu_moe_gating_top_k")
 
 
 def test_string_arguments_that_name_no_group_are_replayed():
@@ -382,14 +325,13 @@ def test_string_arguments_that_name_no_group_are_replayed():
     gradients. torch_npu's attention, quantization, group norm and gating schemas are no collectives."""
     library = Library("hyperac_plain", "FRAGMENT")
     try:
-        for schema in _NOT_COLLECTIVES:
-            library.define(schema)
+        for name in _NOT_COLLECTIVES:
+            library.define(_NPU_FILE[name])
         _stand_in(library, "scatter_scale(Tensor self, int dim, Tensor index, str reduce=\"sum\", "
                            "str input_layout=\"BSND\", int group=1, int[]? group_sizes=None, str? comm_mode=None) "
                            "-> Tensor", lambda h, *_: h * 1.5)
         ops = resolve_op_sets(get_backend("cpu"))
-        for name in ("npu_fusion_attention", "npu_dynamic_quant", "npu_group_norm_silu", "npu_moe_gating_top_k",
-                     "scatter_scale"):
+        for name in (*_NOT_COLLECTIVES, "scatter_scale"):
             op = getattr(torch.ops.hyperac_plain, name).default
             assert not communicates(op) and op not in ops.communication, name
         x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1))
@@ -595,3 +537,47 @@ def test_the_reference_systems_op_sets_are_covered(stand_ins, attention_kernels)
             packet = getattr(getattr(torch.ops, namespace), op_name)
             overload = packet.default if "default" in packet.overloads() else getattr(packet, packet.overloads()[0])
             assert ops.classify(overload)[0] == kind, name
+
+
+# torch_npu 2.14.0's distributed ops registered in C++ only (schema strings of lib/libtorch_npu.so), whose
+# group is an object of its own TorchScript class.
+_NPU_CUSTOM_DIST = tuple(
+    f"npu_custom_dist::{schema}" for schema in (
+        "wrap_allgather_base_uneven_inner(Tensor output_tensor, Tensor input_tensor, int[] output_split_sizes, "
+        "__torch__.torch.classes.npu_custom_dist.ProcessGroupHCCL process_group_hccl, int timeout) "
+        "-> __torch__.torch.classes.c10d.Work",
+        "wrap_reduce_scatter_base_uneven_inner(Tensor output_tensor, Tensor input_tensor, int[] input_split_sizes, "
+        "__torch__.torch.classes.npu_custom_dist.ProcessGroupHCCL process_group_hccl, "
+        "__torch__.torch.classes.c10d.ReduceOp reduce_op, int timeout) -> __torch__.torch.classes.c10d.Work",
+        "wrap_batch_isend_irecv_inner(Tensor[] tensors, str[] op_type, int[] remote_rank_list, "
+        "__torch__.torch.classes.npu_custom_dist.ProcessGroupHCCL process_group_hccl) "
+        "-> __torch__.torch.classes.c10d.Work",
+        "wrap_alltoallvc_inner(Tensor output_tensor, Tensor input_tensor, int[] send_count_matrix, "
+        "__torch__.torch.classes.npu_custom_dist.ProcessGroupHCCL process_group_hccl, int timeout) "
+        "-> __torch__.torch.classes.c10d.Work",
+    )
+)
+
+
+def test_the_rule_finds_exactly_the_npu_backends_collectives():
+    """Over every schema of torch_npu 2.14.0 (the checked-in file, and its C++-only distributed ops), the
+    schema rule finds exactly the collectives the NPU backend lists by name (each takes ``str hcom``, a
+    group's name or its ``ProcessGroupHCCL``), and nothing else: no attention, quantization, norm or
+    MoE-routing kernel is taken for one."""
+    schemas = [f"npu::{entry['schema']}" for entry in SCHEMAS["ops"]] + list(_NPU_CUSTOM_DIST)
+    found = set()
+    for text in schemas:
+        schema = _parse_schema(text)
+        if communicates(types.SimpleNamespace(_schema=schema)):
+            found.add(schema.name)
+    assert found == set(_NPU_COMMUNICATION_OPS)
+
+
+def _parse_schema(text: str) -> torch.FunctionSchema:
+    """``text`` parsed. The parser needs every class a schema names to be registered, and only torch_npu's
+    C++ registers ``npu_custom_dist.ProcessGroupHCCL``: here it is read as ``c10d.ProcessGroup``, which the
+    rule takes for the same reason (the class name starts with ``ProcessGroup``)."""
+    try:
+        return torch._C.parse_schema(text)
+    except RuntimeError:
+        return torch._C.parse_schema(text.replace("npu_custom_dist.ProcessGroupHCCL", "c10d.ProcessGroup"))
