@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
-    "ActivationMeter", "OpCounter", "PeakMeter", "StorageTimeline", "created_storages", "flop_counter", "op_tensors",
-    "step_peak",
+    "ActivationMeter", "OpCounter", "PeakMeter", "StepMode", "StorageTimeline", "created_storages", "flop_counter",
+    "op_tensors", "step_peak",
 ]
 
 
@@ -87,7 +87,23 @@ def flop_counter(display: bool = False) -> FlopCounterMode:
     return FlopCounterMode(display=display, custom_mapping=mapping)
 
 
-class ActivationMeter(TorchDispatchMode):
+class StepMode(TorchDispatchMode):
+    """Base of the modes that watch a training step: they see the step as it trains.
+
+    A higher-order op counts as one op (NOTE [Higher-order operators] in higher_order.py), and compiled
+    code a layer calls (a compiled flex attention) runs compiled, as in training, rather than eagerly,
+    which dynamo otherwise does under a dispatch mode (and which ``flex_attention``'s ``fullgraph``
+    compile refuses): a compiled region's ops are then seen as its compiled code issues them.
+    """
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+class ActivationMeter(StepMode):
     """Counts the bytes of storages created during forward that are alive when backward starts.
 
     Views of parameters (``aten.t(weight)``) are not activations and are not counted. Enter it
@@ -226,7 +242,7 @@ def gradients(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
 
 
-class PeakMeter(TorchDispatchMode):
+class PeakMeter(StepMode):
     """The peak of live activation storage over a training step, forward and backward together.
 
     Counts storages created by ops while it is active (so parameters, their views such as
@@ -297,7 +313,7 @@ def step_peak(model: Any, batch: dict[str, Any]) -> int:
     return int(meter.peak_bytes)
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(StepMode):
     """Counts the aten ops dispatched while it is active (``count``)."""
 
     def __init__(self) -> None:

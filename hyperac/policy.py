@@ -17,6 +17,10 @@ the rest:
   schema takes a process group or a group's name is a collective, found when first seen (NOTE
   [Collectives by their schema] in op_identity.py);
 * ``topk`` is always recomputed: models (MoE routers) change its outputs in place;
+* higher-order ops (flex attention, a compiled region called from an eager layer, control flow, a
+  user's own) reach the recording and replay modes as one op each, with a rule per op: flex attention
+  is attention, compiled regions are kept, control flow is replayed, an unknown one is kept (NOTE
+  [Higher-order operators] in higher_order.py);
 * profiler markers and FSDP parameter-lifecycle ops run as usual but stay out of the replay
   accounting, so an FSDP unshard that happens outside the region in forward and inside it in
   recompute does not shift the op stream. The ignore list belongs to each policy; PyTorch's
@@ -50,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy
 
+from . import higher_order
 from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
@@ -115,7 +120,10 @@ def _all_overloads(qualified_names: tuple[str, ...]) -> frozenset:
             packet = getattr(getattr(torch.ops, namespace), op_name)
         except (AttributeError, RuntimeError):
             continue
-        names.extend(f"{qualified}.{overload}" for overload in packet.overloads())
+        if isinstance(packet, torch._ops.HigherOrderOperator):  # no overloads: the op itself
+            names.append(qualified)
+        else:
+            names.extend(f"{qualified}.{overload}" for overload in packet.overloads())
     return resolve_ops(names)
 
 
@@ -127,7 +135,9 @@ def _import_fsdp_ops() -> None:
 
 # What an op is to a policy. The recording and replay modes look each op up once per call, in a
 # per-OpSets table keyed by ``id(op)`` (hashing an OpOverload runs Python code; an int does not).
-_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _COLLECTIVE = range(7)
+# ``_ONCE``: higher-order ops kept in every recording mode and never replayed, as collectives are,
+# unless they wrote into their inputs (NOTE [Higher-order operators] in higher_order.py).
+_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _COLLECTIVE, _ONCE = range(8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,12 +179,15 @@ class OpSets:
         entry = self._cache.get(id(op))
         if entry is not None:
             return entry[0]
+        keyed = isinstance(op, torch._ops.HigherOrderOperator)
         if op in self.ignored or op in torch_recompute.SAC_IGNORED_OPS:
             kind = _IGNORED
         elif op in self.recompute:
             kind = _RECOMPUTE
         elif op in self.communication or communicates(op):
             kind = _COLLECTIVE
+        elif keyed and higher_order.rule(op) == higher_order.ONCE:
+            kind = _ONCE
         elif op in self.matmul:
             kind = _MATMUL
         elif op in self.attention:
@@ -189,7 +202,8 @@ class OpSets:
             for position, argument in enumerate(schema.arguments)
             if argument.alias_info is not None and argument.alias_info.is_write
         )
-        keyed = isinstance(op, torch._ops.HigherOrderOperator)
+        if keyed:
+            writes = higher_order.written_arguments(op)
         unannotated = (keyed or schema is None or schema.name in _UNANNOTATED_ALIAS_OPS
                        or not schema.name.startswith("aten::"))
         info = (kind, writes, keyed, unannotated)
@@ -208,7 +222,7 @@ def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -
             _all_overloads(_ALWAYS_KEEP_OPS)
             | backend.attention_ops()
             | backend.communication_ops()
-            | resolve_ops(["higher_order::flex_attention"])
+            | higher_order.ops_with_rule(higher_order.ATTENTION, higher_order.KEEP)
         )
     else:
         keep = _named_ops(save_ops)
@@ -225,8 +239,8 @@ def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -
 
 def _key_sequence_dim(op: Any) -> int | None:
     """The sequence dimension of ``op``'s key argument, if ``op`` is an attention kernel of known layout."""
-    if op is getattr(torch.ops.higher_order, "flex_attention", None):
-        return -2
+    if isinstance(op, torch._ops.HigherOrderOperator):
+        return -2 if higher_order.rule(op) == higher_order.ATTENTION else None
     schema = getattr(op, "_schema", None)
     return None if schema is None else _KEY_SEQUENCE_DIMS.get(schema.name)
 
@@ -284,11 +298,7 @@ def _named_ops(names: tuple[str, ...]) -> frozenset:
     """The overloads ``Config.save_ops`` names; :class:`ConfigError` for a name no op answers to."""
     found = set()
     for name in names:
-        namespace, _, op_name = name.partition("::")
-        if namespace == "higher_order":  # higher-order ops have no overloads
-            ops = frozenset(op for op in [getattr(torch.ops.higher_order, op_name, None)] if op is not None)
-        else:
-            ops = _all_overloads((name,))
+        ops = _all_overloads((name,))
         if not ops:
             raise ConfigError(
                 f"Config.save_ops names {name!r}, which is no registered op (import the library that registers it "
@@ -483,7 +493,12 @@ class _EagerMode(TorchDispatchMode):
     all (a compiled function that fell back to eager at a graph break is running the region), and
     back on when they exit (:func:`~hyperac._compat.pause_frame_compilation`): no frame under them
     is compiled, as with the wrapper, for two calls per region rather than two per op.
+
+    Higher-order ops come to these modes as one op each (``supports_higher_order_operators``), with
+    a rule per op (NOTE [Higher-order operators] in higher_order.py).
     """
+
+    supports_higher_order_operators = True
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -555,7 +570,8 @@ class _RecordingMode(_EagerMode):
         self.kept_storages: dict[int, list[tuple[_Kept, int]]] = {}
         self.saves: _AutogradSaves | None = None
         self.collectives: set[int] = set()
-        """Tape positions of kept collective outputs, which :meth:`_AutogradSaves.prune` leaves kept."""
+        """Tape positions of kept collective and higher-order op outputs, which :meth:`_AutogradSaves.prune`
+        leaves kept (NOTE [Higher-order operators])."""
 
     def __enter__(self):
         # Outside checkpoint's saved-tensor hooks (none to look through) nothing is weighed.
@@ -586,14 +602,17 @@ class _RecordingMode(_EagerMode):
             return func(*args, **kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
+        versions = higher_order.tensor_versions(args, kwargs) if kind == _ONCE else None
         out = func(*args, **kwargs)
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
-        keeps = kind == _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()
-                                        and self.policy.keeps(kind, func, args))
+        keeps = kind >= _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()  # collectives, once-ops
+                                         and self.policy.keeps(kind, func, args))
+        if keeps and versions is not None:  # one that wrote into its inputs is replayed (NOTE [Higher-order operators])
+            keeps = not higher_order.wrote(versions)
         self.tape.entries.append(self._keep(func, out) if keeps else None)
-        if kind == _COLLECTIVE:
+        if kind >= _COLLECTIVE or keyed:
             self.collectives.add(len(self.tape.entries) - 1)
         return out
 
@@ -601,7 +620,10 @@ class _RecordingMode(_EagerMode):
         # NOTE [Kept ops that draw random numbers]: an attention kernel with dropout advances the
         # RNG; the replay does not run it, so it sets the RNG to where the forward left it, and a
         # dropout after it draws the forward's mask.
-        rng = rng_states(out) if torch.Tag.nondeterministic_seeded in func.tags else None
+        # A kept higher-order op has no tags; it may have drawn (NOTE [Higher-order operators]).
+        random = (higher_order.may_draw_random(func) if isinstance(func, torch._ops.HigherOrderOperator)
+                  else torch.Tag.nondeterministic_seeded in func.tags)
+        rng = rng_states(out) if random else None
         leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -840,7 +862,13 @@ def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool,
     """
     policy = _offload_saved if mode == "swap" else SelectivePolicy(resolve_op_sets(backend_type(), save_ops), mode,
                                                                        offload)
-    return torch_recompute.create_selective_checkpoint_contexts(policy)
+    contexts = torch_recompute.create_selective_checkpoint_contexts(policy)
+    # PyTorch's modes have rules for a few higher-order ops only; with this, every other one (a
+    # ``torch.cond`` in the layer) comes to them as one op, which the policy decides as in eager mode
+    # (NOTE [Higher-order operators] in higher_order.py). Those with rules keep them.
+    for context in contexts:
+        context.supports_higher_order_operators = True
+    return contexts
 
 
 def compile_context_fn(backend_type: type[Backend], mode: str, offload: bool = False,

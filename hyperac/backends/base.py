@@ -48,7 +48,8 @@ def resolve_ops(qualified_names: Iterable[str]) -> frozenset:
     """Return the dispatcher overloads named ``namespace::op.overload`` that exist right now.
 
     Names whose namespace or op is not registered (a vendor library not imported, an op added in
-    a later torch) are left out without error.
+    a later torch) are left out without error. A higher-order op (``higher_order::flex_attention``)
+    has no overloads: its name without one is the op.
     """
     found = set()
     for qualified in qualified_names:
@@ -56,7 +57,10 @@ def resolve_ops(qualified_names: Iterable[str]) -> frozenset:
         op_name, _, overload = op_and_overload.partition(".")
         try:
             packet = getattr(getattr(torch.ops, namespace), op_name)
-            found.add(getattr(packet, overload or "default"))
+            if isinstance(packet, torch._ops.HigherOrderOperator) and not overload:
+                found.add(packet)
+            else:
+                found.add(getattr(packet, overload or "default"))
         except (AttributeError, RuntimeError):
             continue
     return frozenset(found)

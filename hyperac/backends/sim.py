@@ -68,10 +68,11 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from ..measure import StepMode
 from .base import Backend, host_link_override
 from .registry import register_backend
 
@@ -313,9 +314,9 @@ class _DeferredCopy:
                 destination.fill_(float("nan") if destination.is_floating_point() else -1)
 
 
-class _Computing(TorchDispatchMode):
+class _Computing(StepMode):
     """Compute's accesses, checked against the copies'; every op takes virtual time (``ticks``, plus
-    its FLOPs over ``flops_per_second``)."""
+    its FLOPs over ``flops_per_second``). A higher-order op is one op, whose tensor arguments it reads."""
 
     def __init__(self, ticks: int, flops_per_second: float | None) -> None:
         super().__init__()
@@ -323,13 +324,15 @@ class _Computing(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         stream = _current_stream(TENSOR_DEVICE)
-        mutable = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-        for name, value in [*zip((a.name for a in func._schema.arguments), args), *(kwargs or {}).items()]:
+        arguments = func._schema.arguments if hasattr(func, "_schema") else ()
+        mutable = {a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write}
+        names = [a.name for a in arguments] if arguments else [None] * len(args)
+        for name, value in [*zip(names, args), *(kwargs or {}).items()]:
             for tensor in tree_flatten(value)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout == torch.strided:
                     _LEDGER.check(stream, tensor, f"{func} (compute)", write=name in mutable)
         out = func(*args, **(kwargs or {}))
-        formula = flop_registry.get(func._overloadpacket) if self.flops_per_second else None
+        formula = flop_registry.get(getattr(func, "_overloadpacket", func)) if self.flops_per_second else None
         flops = formula(*args, **(kwargs or {}), out_val=out) if formula is not None else 0
         stream.run(self.ticks + _ticks(flops, self.flops_per_second))
         return out

@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes as _quiet
 from torch.utils._pytree import tree_flatten
 
-from ..measure import StorageTimeline, created_storages, flop_counter, gradients, op_tensors
+from ..measure import StepMode, StorageTimeline, created_storages, flop_counter, gradients, op_tensors
 from ..swap import swap_ineligible
 
 __all__ = ["ModeProfile", "profile_modes"]
@@ -116,7 +116,7 @@ class _Leave:
             self.profiler.finished += 1
 
 
-class _Profiler(TorchDispatchMode):
+class _Profiler(StepMode):
     """Attributes each op to the running layer and records the step's storage timeline."""
 
     def __init__(self, count: int, device_type: str) -> None:
@@ -148,7 +148,11 @@ class _Profiler(TorchDispatchMode):
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """Saved-tensors hook: note which layer saves the storage (NOTE [What a swap would move]);
-        autograd keeps a detached alias (NOTE [Saved tensors under hooks] in swap.py)."""
+        autograd keeps a detached alias (NOTE [Saved tensors under hooks] in swap.py). A fake tensor is
+        saved while torch.compile traces code the step calls (``torch.cond``'s autograd): not the
+        step's, and left to the tracer's fake mode, which detaching outside it would leave."""
+        if isinstance(tensor, FakeTensor):
+            return tensor
         if not self.backward and swap_ineligible(tensor, self.device_type) is None:
             key = self.timeline.id_of(tensor.untyped_storage())
             if key is not None:
@@ -182,7 +186,7 @@ class _Profiler(TorchDispatchMode):
         else:
             behind = self.finished
         self.events.append((self.backward, owner, behind))
-        formula = self.registry.get(func._overloadpacket)
+        formula = self.registry.get(getattr(func, "_overloadpacket", func))  # a higher-order op is its own key
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         self.total_flops += flops
         if self.backward:
