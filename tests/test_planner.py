@@ -656,7 +656,9 @@ def test_auto_budget_below_the_floor_fails_atomically(llama3, llama_batch, llama
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert model.config.use_cache is True
     plan = hyperac.apply(model, mode="auto", budget=floor, sample=llama_batch[0], backend="cpu")
-    assert [layer.mode for layer in plan.layers] == ["full"] * 3
+    # At the floor, a layer whose faster mode peaks no higher than full may take it (which one is faster
+    # is the host's timing): the bound is the peak, not the modes.
+    assert llama_estimate.peak_bytes([layer.mode for layer in plan.layers]) <= floor
     hyperac.remove(model)
 
 
