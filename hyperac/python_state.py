@@ -1,0 +1,242 @@
+"""Python state a recomputed forward reads and changes, seen by each replay as the forward saw it.
+
+NOTE [Python state in the replay]
+A replay runs the layer's forward again in backward, Python included. A forward that changes Python
+state (``self.calls += 1``, an MoE layer appending its auxiliary loss to a list its parent owns, a
+forward hook recording activations, a lazily cached constant) would change it again in every replay,
+and a forward that reads it would read the changed value: a counter used as a value or a branch taken
+on it gives other gradients (silently in ``full``, whose saved tensors may have equal metadata), an
+auxiliary-loss list gets a stale entry per replay, a hook records twice. torch.utils.checkpoint does
+the same; hyperac promises the un-applied gradients without the user writing a checkpoint call.
+
+So as a region's forward starts, hyperac takes a shallow snapshot of the Python state it can reach:
+the attributes in the ``__dict__`` of every module the region runs (its own, modules passed to it as
+arguments, modules it holds other than as registered children; ``nn.Module``'s own bookkeeping
+excluded), the variables and objects closed over by the forward hooks and pre-hooks of those modules,
+and the non-tensor arguments; one level into each value that is a ``list``, ``dict``, ``set`` or plain
+object (its ``__dict__``). A replay first puts back every entry that differs from the snapshot (by
+identity, so tensors are never compared by value), runs, and then puts back what was there before it
+(the forward's own change, and whatever happened since): the forward changed the state once, and the
+replay read what the forward read. The snapshot holds references to the values it saw (no copies)
+until the region's backward is done.
+
+Not reached: module-level globals, objects two levels down (``self.a.b.c += 1``), in-place writes into
+a tensor held as a plain attribute, and side effects outside Python (printing, logging, files). A
+forward that branches on such state still diverges; every mode checks its replay and raises
+:class:`~hyperac.RecomputeMismatchError` (replay_check.py, NOTE [Every replay is checked]).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["PythonState", "modules_run_by"]
+
+_MODULE_BOOKKEEPING = frozenset(nn.Module().__dict__) | {"forward"}
+"""Keys of a module's ``__dict__`` that are nn.Module's own (parameters, buffers, children, hooks) or
+hyperac's (the instance ``forward`` it installs): never restored."""
+
+_OPAQUE = (torch.Tensor, nn.Module, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           types.ModuleType, functools.partial)
+_MISSING = object()
+
+
+def _plain_object(value: Any) -> bool:
+    """An object whose ``__dict__`` is its state: not a torch object, a function, a class or a module."""
+    return (hasattr(value, "__dict__") and not isinstance(value, _OPAQUE)
+            and type(value).__module__.partition(".")[0] != "torch")
+
+
+def _module_values(value: Any) -> Iterator[nn.Module]:
+    """Modules ``value`` is, or holds one level down (a list, tuple or dict of modules), or is a bound method of."""
+    if isinstance(value, nn.Module):
+        yield value
+    elif isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
+        yield value.__self__
+    elif isinstance(value, (list, tuple)):
+        yield from (item for item in value if isinstance(item, nn.Module))
+    elif isinstance(value, dict):
+        yield from (item for item in value.values() if isinstance(item, nn.Module))
+
+
+def modules_run_by(region: nn.Module, args: tuple, kwargs: dict[str, Any]) -> list[nn.Module]:
+    """Modules other than ``region``'s own that its forward can run: modules passed to it (as
+    arguments, or bound methods of them), and modules its modules hold other than as registered
+    children (a plain attribute, a list); with their sub-modules."""
+    own = set(region.modules())
+    found: dict[int, nn.Module] = {}
+    candidates = [m for leaf in tree_leaves((args, kwargs)) for m in _module_values(leaf)]
+    for module in own:
+        for name in module.__dict__.keys() - _MODULE_BOOKKEEPING:
+            candidates.extend(_module_values(module.__dict__[name]))
+    for candidate in candidates:
+        for module in candidate.modules():
+            if module not in own:
+                found.setdefault(id(module), module)
+    return list(found.values())
+
+
+def _hook_holders(module: nn.Module) -> Iterator[Any]:
+    """What the forward hooks and pre-hooks of ``module`` hold: the cells of their closures, their bound
+    ``self``, the arguments of a ``functools.partial``."""
+    for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+        while isinstance(hook, functools.partial):
+            yield from (*hook.args, *hook.keywords.values())
+            hook = hook.func
+        if isinstance(hook, types.MethodType):
+            yield hook.__self__
+            hook = hook.__func__
+        yield from getattr(hook, "__closure__", None) or ()
+
+
+def _contents(value: Any) -> Any:
+    """A shallow copy of what ``value`` holds, or ``_MISSING`` for a value that holds nothing hyperac restores."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, set):
+        return set(value)
+    if _plain_object(value):
+        return dict(vars(value))
+    return _MISSING
+
+
+def _same(first: Any, second: Any) -> bool:
+    """Equal shallow contents, compared by identity."""
+    if isinstance(first, dict):
+        return first.keys() == second.keys() and all(first[key] is second[key] for key in first)
+    if isinstance(first, list):
+        return len(first) == len(second) and all(a is b for a, b in zip(first, second))
+    return first == second
+
+
+def _put(value: Any, contents: Any) -> None:
+    """Make ``value`` hold ``contents`` (from :func:`_contents`), in place."""
+    if isinstance(value, list):
+        value[:] = contents
+        return
+    target = value if isinstance(value, (dict, set)) else vars(value)
+    target.clear()
+    target.update(contents)
+
+
+class _Attributes:
+    """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity."""
+
+    __slots__ = ("module", "values")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.values = self.now()
+
+    def now(self) -> dict[str, Any]:
+        state = self.module.__dict__
+        return {name: state[name] for name in state.keys() - _MODULE_BOOKKEEPING}
+
+    def put(self, values: dict[str, Any]) -> None:
+        state = self.module.__dict__
+        for name in state.keys() - _MODULE_BOOKKEEPING - values.keys():
+            del state[name]
+        state.update(values)
+
+
+class _Cell:
+    """A hook's closure variable (``nonlocal count``)."""
+
+    __slots__ = ("cell", "values")
+
+    def __init__(self, cell: types.CellType) -> None:
+        self.cell = cell
+        self.values = self.now()
+
+    def now(self) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # not bound yet
+            return _MISSING
+
+    def put(self, value: Any) -> None:
+        if value is _MISSING:
+            del self.cell.cell_contents
+        else:
+            self.cell.cell_contents = value
+
+
+class _Contents:
+    """What a list, dict, set or plain object holds."""
+
+    __slots__ = ("value", "values")
+
+    def __init__(self, value: Any, contents: Any) -> None:
+        self.value, self.values = value, contents
+
+    def now(self) -> Any:
+        return _contents(self.value)
+
+    def put(self, contents: Any) -> None:
+        _put(self.value, contents)
+
+
+class PythonState:
+    """The Python state one region invocation's forward started from (NOTE [Python state in the
+    replay]); a context manager that makes a replay start from it, entered once per replay."""
+
+    def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
+        self.entries: list[_Attributes | _Cell | _Contents] = []
+        self.seen: set[int] = set()
+        self.displaced: list[list[tuple[Any, Any]]] = []
+        for leaf in tree_leaves((args, kwargs)):
+            if not isinstance(leaf, (torch.Tensor, nn.Module)):
+                self._add(leaf)
+        for module in modules:
+            self._add(module)
+            for held in _hook_holders(module):
+                self._add(held)
+
+    def _add(self, value: Any) -> None:
+        if not isinstance(value, (nn.Module, types.CellType)):
+            self._add_contents(value)
+            return
+        if id(value) in self.seen:
+            return
+        self.seen.add(id(value))
+        if isinstance(value, nn.Module):
+            attributes = _Attributes(value)
+            self.entries.append(attributes)
+            for item in attributes.values.values():
+                self._add_contents(item)
+        elif isinstance(value, types.CellType):
+            cell = _Cell(value)
+            self.entries.append(cell)
+            if cell.values is not _MISSING:
+                self._add(cell.values)
+
+    def _add_contents(self, value: Any) -> None:
+        """One level into ``value``: what a list, dict, set or plain object holds."""
+        if isinstance(value, nn.Module) or id(value) in self.seen:
+            return
+        self.seen.add(id(value))
+        contents = _contents(value)
+        if contents is not _MISSING:
+            self.entries.append(_Contents(value, contents))
+
+    def __enter__(self) -> None:
+        displaced = []
+        for entry in self.entries:
+            now = entry.now()
+            if now is not entry.values and not (isinstance(entry, _Contents | _Attributes) and _same(now, entry.values)):
+                displaced.append((entry, now))
+                entry.put(entry.values)
+        self.displaced.append(displaced)
+
+    def __exit__(self, *exc: Any) -> None:
+        for entry, value in reversed(self.displaced.pop()):
+            entry.put(value)
