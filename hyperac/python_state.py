@@ -228,14 +228,18 @@ class PythonState:
         if contents is not _MISSING:
             self.entries.append(_Contents(value, contents))
 
-    def __enter__(self) -> None:
+    def put_back(self) -> list[tuple[Any, Any]]:
+        """Make the state what it was when this snapshot was taken; returns what it displaced."""
         displaced = []
         for entry in self.entries:
             now = entry.now()
-            if now is not entry.values and not (isinstance(entry, _Contents | _Attributes) and _same(now, entry.values)):
+            if now is not entry.values and (isinstance(entry, _Cell) or not _same(now, entry.values)):
                 displaced.append((entry, now))
                 entry.put(entry.values)
-        self.displaced.append(displaced)
+        return displaced
+
+    def __enter__(self) -> None:
+        self.displaced.append(self.put_back())
 
     def __exit__(self, *exc: Any) -> None:
         for entry, value in reversed(self.displaced.pop()):

@@ -298,7 +298,8 @@ def _profiled_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Mod
         for position, layer in enumerate(layer_modules):
             for module in layer.modules():
                 handles.append(module.register_forward_pre_hook(_Enter(profiler, position)))
-                handles.append(module.register_forward_hook(_Leave(profiler, position if module is layer else None), always_call=True))
+                leave = _Leave(profiler, position if module is layer else None)
+                handles.append(module.register_forward_hook(leave, always_call=True))
         torch.manual_seed(0)
         with profiler, torch.autograd.graph.saved_tensors_hooks(profiler.pack, profiler.unpack):
             loss, output = _loss(model, sample)
