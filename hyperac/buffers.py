@@ -24,8 +24,8 @@ points at the tensor it held before the replay, which the forward updated exactl
 replay (``retain_graph``, ``create_graph``) gets fresh copies again. The cost is one copy of the
 region's persistent buffers per invocation, held until its backward: a few kilobytes for
 normalization statistics. The region's modules are its own and those its forward is given or holds
-without registering them (a BatchNorm its parent owns, passed as an argument; python_state.py,
-``modules_run_by``), found per invocation. A tensor kept as a plain attribute is no buffer: a rebinding
+without registering them (a BatchNorm its parent owns, passed as an argument; ``PythonState.borrowed``
+in python_state.py), found per invocation. A tensor kept as a plain attribute is no buffer: a rebinding
 of it is undone around the replay (NOTE [Python state in the replay]), a write into it is not. Regions
 whose modules hold no buffers are left alone.
 

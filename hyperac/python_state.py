@@ -37,60 +37,52 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PythonState", "modules_run_by"]
+__all__ = ["PythonState"]
 
 _MODULE_BOOKKEEPING = frozenset(nn.Module().__dict__) | {"forward"}
 """Keys of a module's ``__dict__`` that are nn.Module's own (parameters, buffers, children, hooks) or
 hyperac's (the instance ``forward`` it installs): never restored."""
 
 _OPAQUE = (torch.Tensor, nn.Module, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-           types.ModuleType, functools.partial)
+           types.ModuleType, types.CellType, functools.partial)
+_CONTAINERS = (list, dict, set)
 _MISSING = object()
 
 
-def _plain_object(value: Any) -> bool:
-    """An object whose ``__dict__`` is its state: not a torch object, a function, a class or a module."""
-    return (hasattr(value, "__dict__") and not isinstance(value, _OPAQUE)
-            and type(value).__module__.partition(".")[0] != "torch")
+def _state_of(value: Any) -> dict[str, Any] | None:
+    """The ``__dict__`` of a plain object (not a torch object, a function, a class or a module), else
+    ``None``. Read by type, past the class's attribute hooks: HF configs override ``__getattribute__``,
+    which ``isinstance`` and ``vars`` would call."""
+    kind = type(value)
+    if issubclass(kind, _OPAQUE) or kind.__module__.partition(".")[0] == "torch":
+        return None
+    try:
+        return object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return None
 
 
-def _module_values(value: Any) -> Iterator[nn.Module]:
-    """Modules ``value`` is, or holds one level down (a list, tuple or dict of modules), or is a bound method of."""
-    if isinstance(value, nn.Module):
+def _modules_in(value: Any) -> Iterator[nn.Module]:
+    """Modules ``value`` is, is a bound method of, or holds one level down (a list, tuple or dict)."""
+    kind = type(value)
+    if issubclass(kind, nn.Module):
         yield value
-    elif isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
+    elif kind is types.MethodType and issubclass(type(value.__self__), nn.Module):
         yield value.__self__
-    elif isinstance(value, (list, tuple)):
-        yield from (item for item in value if isinstance(item, nn.Module))
-    elif isinstance(value, dict):
-        yield from (item for item in value.values() if isinstance(item, nn.Module))
-
-
-def modules_run_by(region: nn.Module, args: tuple, kwargs: dict[str, Any]) -> list[nn.Module]:
-    """Modules other than ``region``'s own that its forward can run: modules passed to it (as
-    arguments, or bound methods of them), and modules its modules hold other than as registered
-    children (a plain attribute, a list); with their sub-modules."""
-    own = set(region.modules())
-    found: dict[int, nn.Module] = {}
-    candidates = [m for leaf in tree_leaves((args, kwargs)) for m in _module_values(leaf)]
-    for module in own:
-        for name in module.__dict__.keys() - _MODULE_BOOKKEEPING:
-            candidates.extend(_module_values(module.__dict__[name]))
-    for candidate in candidates:
-        for module in candidate.modules():
-            if module not in own:
-                found.setdefault(id(module), module)
-    return list(found.values())
+    elif kind in (list, tuple):
+        yield from (item for item in value if issubclass(type(item), nn.Module))
+    elif kind is dict:
+        yield from (item for item in value.values() if issubclass(type(item), nn.Module))
 
 
 def _hook_holders(module: nn.Module) -> Iterator[Any]:
     """What the forward hooks and pre-hooks of ``module`` hold: the cells of their closures, their bound
     ``self``, the arguments of a ``functools.partial``."""
     for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
-        while isinstance(hook, functools.partial):
+        while type(hook) is functools.partial:
             yield from (*hook.args, *hook.keywords.values())
             hook = hook.func
-        if isinstance(hook, types.MethodType):
+        if type(hook) is types.MethodType:
             yield hook.__self__
             hook = hook.__func__
         yield from getattr(hook, "__closure__", None) or ()
@@ -98,34 +90,21 @@ def _hook_holders(module: nn.Module) -> Iterator[Any]:
 
 def _contents(value: Any) -> Any:
     """A shallow copy of what ``value`` holds, or ``_MISSING`` for a value that holds nothing hyperac restores."""
-    if isinstance(value, list):
-        return list(value)
-    if isinstance(value, dict):
-        return dict(value)
-    if isinstance(value, set):
-        return set(value)
-    if _plain_object(value):
-        return dict(vars(value))
-    return _MISSING
+    kind = type(value)
+    for container in _CONTAINERS:
+        if issubclass(kind, container):
+            return container(value)
+    state = _state_of(value)
+    return _MISSING if state is None else dict(state)
 
 
 def _same(first: Any, second: Any) -> bool:
     """Equal shallow contents, compared by identity."""
-    if isinstance(first, dict):
+    if type(first) is dict:
         return first.keys() == second.keys() and all(first[key] is second[key] for key in first)
-    if isinstance(first, list):
+    if type(first) is list:
         return len(first) == len(second) and all(a is b for a, b in zip(first, second))
     return first == second
-
-
-def _put(value: Any, contents: Any) -> None:
-    """Make ``value`` hold ``contents`` (from :func:`_contents`), in place."""
-    if isinstance(value, list):
-        value[:] = contents
-        return
-    target = value if isinstance(value, (dict, set)) else vars(value)
-    target.clear()
-    target.update(contents)
 
 
 class _Attributes:
@@ -182,46 +161,83 @@ class _Contents:
         return _contents(self.value)
 
     def put(self, contents: Any) -> None:
-        _put(self.value, contents)
+        if issubclass(type(self.value), list):
+            self.value[:] = contents
+            return
+        target = self.value if issubclass(type(self.value), (dict, set)) else _state_of(self.value)
+        target.clear()
+        target.update(contents)
 
 
 class PythonState:
-    """The Python state one region invocation's forward started from (NOTE [Python state in the
-    replay]); a context manager that makes a replay start from it, entered once per replay."""
+    """The Python state one region invocation's forward starts from (NOTE [Python state in the
+    replay]); a context manager that makes a replay start from it, entered once per replay.
+
+    ``modules`` are the region's own; :attr:`borrowed` lists the modules its forward is given (in
+    ``args`` and ``kwargs``, or as bound methods) or its modules hold without registering them (a plain
+    attribute, a list), with their sub-modules; their state is part of the snapshot too.
+    """
 
     def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
         self.entries: list[_Attributes | _Cell | _Contents] = []
         self.seen: set[int] = set()
         self.displaced: list[list[tuple[Any, Any]]] = []
+        own = list(modules)
+        self.seen.update(map(id, own))
+        found: list[nn.Module] = []
         for leaf in tree_leaves((args, kwargs)):
-            if not isinstance(leaf, (torch.Tensor, nn.Module)):
-                self._add(leaf)
-        for module in modules:
-            self._add(module)
-            for held in _hook_holders(module):
-                self._add(held)
+            if issubclass(type(leaf), torch.Tensor):
+                continue
+            found.extend(_modules_in(leaf))
+            self._add_contents(leaf)
+        for module in own:
+            found.extend(self._add_module(module))
+        self.borrowed: list[nn.Module] = []
+        for candidate in found:
+            for module in candidate.modules():
+                if id(module) not in self.seen:
+                    self.seen.add(id(module))
+                    self.borrowed.append(module)
+                    self._add_module(module)
 
-    def _add(self, value: Any) -> None:
-        if not isinstance(value, (nn.Module, types.CellType)):
+    def _add_module(self, module: nn.Module) -> list[nn.Module]:
+        """Snapshot ``module``'s attributes, one level into them, and what its hooks hold; returns the
+        modules among its attributes."""
+        attributes = _Attributes(module)
+        self.entries.append(attributes)
+        held = []
+        for value in attributes.values.values():
+            held.extend(_modules_in(value))
             self._add_contents(value)
-            return
+        for value in _hook_holders(module):
+            self._add_held(value)
+        return held
+
+    def _add_held(self, value: Any) -> None:
+        """What a hook holds: a closure cell (and one level into its value), a module's attributes (the
+        model a ``self.seen.append`` hook closes over), or one level into the value."""
         if id(value) in self.seen:
             return
-        self.seen.add(id(value))
-        if isinstance(value, nn.Module):
+        kind = type(value)
+        if kind is types.CellType:
+            self.seen.add(id(value))
+            cell = _Cell(value)
+            self.entries.append(cell)
+            if cell.values is not _MISSING:
+                self._add_held(cell.values)
+        elif issubclass(kind, nn.Module):
+            self.seen.add(id(value))
             attributes = _Attributes(value)
             self.entries.append(attributes)
             for item in attributes.values.values():
                 self._add_contents(item)
-        elif isinstance(value, types.CellType):
-            cell = _Cell(value)
-            self.entries.append(cell)
-            if cell.values is not _MISSING:
-                self._add(cell.values)
+        else:
+            self._add_contents(value)
 
     def _add_contents(self, value: Any) -> None:
-        """One level into ``value``: what a list, dict, set or plain object holds."""
-        if isinstance(value, nn.Module) or id(value) in self.seen:
+        """One level into ``value``: what a list, dict, set or plain object holds (not a module: its
+        attributes are snapshotted where it is found to run)."""
+        if id(value) in self.seen or issubclass(type(value), nn.Module):
             return
         self.seen.add(id(value))
         contents = _contents(value)
@@ -233,7 +249,7 @@ class PythonState:
         displaced = []
         for entry in self.entries:
             now = entry.now()
-            if now is not entry.values and (isinstance(entry, _Cell) or not _same(now, entry.values)):
+            if now is not entry.values and (type(entry) is _Cell or not _same(now, entry.values)):
                 displaced.append((entry, now))
                 entry.put(entry.values)
         return displaced

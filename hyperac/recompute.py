@@ -58,7 +58,7 @@ from .policy import (
     selective_contexts,
     set_rng_states,
 )
-from .python_state import PythonState, modules_run_by
+from .python_state import PythonState
 from .replay_check import full_replay_contexts
 from .replay_context import ForwardContext
 from .state import AppliedState, Override
@@ -348,11 +348,10 @@ class _Region:
         """The region's forward, ``start(...)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
         self.watched, self.given = True, args
         module = self.override.module_and_forward()[0]
-        others = modules_run_by(module, args, self.kwargs)
-        buffers = buffers_as_before(others, self.override.fqn, self.override.index) if others else None
         plain_kwargs = {name: value for name, value in self.kwargs.items() if name not in CACHE_KWARGS}
-        self.as_in_forward = [PythonState([*module.modules(), *others], args, plain_kwargs), ForwardContext(),
-                              *([] if buffers is None else [buffers])]
+        state = PythonState(module.modules(), args, plain_kwargs)
+        buffers = buffers_as_before(state.borrowed, self.override.fqn, self.override.index) if state.borrowed else None
+        self.as_in_forward = [state, ForwardContext(), *([] if buffers is None else [buffers])]
         keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
         self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, {})] + keywords
         try:
