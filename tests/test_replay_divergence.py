@@ -111,13 +111,24 @@ class GloballyBranching(nn.Module):
         return torch.relu(x) if _CALLS[0] % 2 else torch.sigmoid(x)
 
 
-@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
-def test_a_replay_that_diverges_from_its_forward_raises_in_every_mode_full_included(mode):
+def test_a_replay_that_diverges_from_its_forward_raises_in_every_mode_full_included():
+    """Both branches save tensors of equal metadata: torch's own check passes, the fingerprint does not."""
+    for mode in RECOMPUTE_MODES:
+        model = Stack([GloballyBranching() for _ in range(2)])
+        hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+        loss = model(torch.randn(4, D))
+        with pytest.raises(hyperac.RecomputeMismatchError, match=r"layer 'layers\.1' diverged from its forward.*"
+                           r"layers=\{1: 'off'\}"):
+            loss.backward()
+
+
+def test_the_full_mode_error_names_the_saved_tensor_and_the_ops_that_made_it():
     model = Stack([GloballyBranching() for _ in range(2)])
-    hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
     loss = model(torch.randn(4, D))
-    with pytest.raises(hyperac.RecomputeMismatchError, match=r"layer 'layers\.1' diverged from its forward.*"
-                       r"layers=\{1: 'off'\}"):
+    with pytest.raises(hyperac.RecomputeMismatchError, match=r"at tensor \d+ of the \d+ it saved for backward: the "
+                       r"forward saved the output of (Relu|Sigmoid)Backward0 \(float32 \[4, 8\]\), the recompute "
+                       r"saved the output of (Relu|Sigmoid)Backward0 .*module-level global"):
         loss.backward()
 
 
@@ -263,10 +274,33 @@ def _autocast_loss(model: nn.Module) -> torch.Tensor:
         return model(torch.randn(4, D))
 
 
-@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
-def test_an_autocast_cast_served_from_the_cache_in_forward_is_no_divergence(mode):
-    shared = SharedWeights()
-    _parity(lambda: Stack([shared, copy.deepcopy(shared), shared]), mode, _autocast_loss, layers="layers")
+def test_an_autocast_cast_served_from_the_cache_in_forward_is_no_divergence():
+    def make() -> nn.Module:
+        shared = SharedWeights()
+        return Stack([shared, SharedWeights(), shared])
+
+    for mode in RECOMPUTE_MODES:
+        _parity(make, mode, _autocast_loss, layers="layers")
+
+
+def test_an_autocast_cast_served_from_the_cache_in_the_replay_is_no_divergence():
+    """backward inside the autocast region: the replay's casts hit the cache the forward filled."""
+    def step(model: nn.Module) -> torch.Tensor:
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(4, D))
+            loss.backward()
+        return loss
+
+    for mode in RECOMPUTE_MODES:
+        torch.manual_seed(0)
+        model = Stack([SharedWeights() for _ in range(2)])
+        reference = copy.deepcopy(model)
+        expected = step(reference)
+        hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+        assert torch.equal(step(model), expected)
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), name
 
 
 # --- layers run more than once per forward ----------------------------------------------------------------
@@ -308,6 +342,9 @@ class TransposedWrite(nn.Module):
 
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
 def test_a_gradient_penalty_through_a_write_into_a_transposed_view(mode):
+    """A guard: issue 26's class 7 (torch's "Unpack is being triggered ... already unpacked once") did not
+    reproduce here with such layers (nor with a nested checkpoint or autocast around the write), on main
+    or since; this keeps the documented promise (exact) tested."""
     _parity(lambda: Stack([TransposedWrite() for _ in range(2)]), mode, backward="create_graph", layers="layers")
 
 
