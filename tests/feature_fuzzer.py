@@ -19,6 +19,8 @@ each drawn feature:
 * ``nested_checkpoint``: the user's own ``torch.utils.checkpoint`` around part of the layer;
 * ``data_branch``: a branch on the values of the input;
 * ``float64``: part of the layer in float64, cast back;
+* ``view_write``: a write into an intermediate through a transposed view (with the ``create_graph``
+  backward, a gradient penalty through it);
 
 and returns a tensor, a tuple, a dict or a ``transformers`` ``ModelOutput``. The model may call a layer
 more than once per forward (ALBERT), runs under ``parametrize.cached()`` or not, and may accumulate its
@@ -42,7 +44,7 @@ from transformers.utils import ModelOutput
 
 FEATURES = (
     "autocast", "hook_record", "hook_scale", "counter_value", "counter_branch", "aux_list", "tensor_attribute",
-    "borrowed_norm", "held_linear", "parametrized", "nested_checkpoint", "data_branch", "float64",
+    "borrowed_norm", "held_linear", "parametrized", "nested_checkpoint", "data_branch", "float64", "view_write",
 )
 PARAMETRIZATIONS = ("orthogonal", "weight_norm", "spectral_norm")
 OUTPUTS = ("tensor", "tuple", "dict", "model_output")
@@ -96,6 +98,9 @@ class FeatureBlock(nn.Module):
                 h = self.second(h).float() + self.second(x).float() * 0.5
         else:
             h = self.second(h)
+        if "view_write" in self.features:
+            h = h * 2
+            h.transpose(1, 2)[:, 0].zero_()
         if "borrowed_norm" in self.features and norm is not None:
             h = norm(h.reshape(-1, D)).view(h.shape)
         if self.held:
