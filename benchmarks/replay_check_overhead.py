@@ -42,7 +42,7 @@ class _Nothing:
     """Stands in for the checks while ``bare`` or ``+check`` runs."""
 
     def __init__(self, *args: Any) -> None:
-        pass
+        self.borrowed: list = []
 
     def __enter__(self) -> None:
         return None
