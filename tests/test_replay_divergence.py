@@ -58,22 +58,8 @@ class Stack(nn.Module):
 
 # --- Python state changed by the forward -------------------------------------------------------------
 
-class Branching(nn.Module):
-    """README's "stateful forwards": branches on how often it ran."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(D, D)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        x = self.linear(x)
-        return torch.relu(x) if self.calls % 2 else torch.sigmoid(x)
-
-
 class Counting(nn.Module):
-    """Uses a Python counter as a value."""
+    """Counts its calls in a Python attribute and uses the count as a value."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -83,6 +69,15 @@ class Counting(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return torch.tanh(self.linear(x)) * self.calls
+
+
+class Branching(Counting):
+    """README's "stateful forwards": branches on how often it ran."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.linear(x)
+        return torch.relu(x) if self.calls % 2 else torch.sigmoid(x)
 
 
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
