@@ -10,7 +10,11 @@ again in the replay.
 
 Recompute uses PyTorch's non-reentrant ``torch.utils.checkpoint``: gradients reach frozen
 layers' inputs and LoRA adapters, keyword arguments work, and the RNG state is replayed so
-dropout masks match.
+dropout masks match. Each eager replay also starts from the Python state its forward started from
+(NOTE [Python state in the replay] in python_state.py), under the forward's torch settings (NOTE [The
+forward's context in the replay] in replay_context.py), with the buffers of modules the layer runs but
+does not own as the forward read them (NOTE [Buffers in the replay] in buffers.py); and every replay is
+checked against its forward, ``full`` included (NOTE [Every replay is checked] in replay_check.py).
 
 NOTE [Excluded modules]
 A region may exclude sub-modules from its replay (an attention that publishes state, a module
