@@ -188,37 +188,42 @@ def test_a_forward_hook_recording_activations_sees_each_forward_once(mode):
 # --- modules the layer runs but does not own ------------------------------------------------------------
 
 class NormedBy(nn.Module):
-    def __init__(self) -> None:
+    """Normalizes with a BatchNorm it is given, or holds in a plain list (not a registered child)."""
+
+    def __init__(self, held: list) -> None:
         super().__init__()
         self.linear = nn.Linear(D, D)
+        self.held = held
 
-    def forward(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        return torch.tanh(norm(self.linear(x)))
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        return torch.tanh((norm or self.held[0])(self.linear(x)))
 
 
 class SharedNorm(nn.Module):
-    """A BatchNorm the parent owns and hands to each layer as a keyword argument."""
+    """A BatchNorm the parent owns and hands to each layer as a keyword argument (or gave each layer at init)."""
 
-    def __init__(self) -> None:
+    def __init__(self, passed: bool = True) -> None:
         super().__init__()
         self.embed = nn.Linear(D, D)
         self.norm = nn.BatchNorm1d(D)
-        self.layers = nn.ModuleList(NormedBy() for _ in range(3))
+        self.passed = passed
+        self.layers = nn.ModuleList(NormedBy([] if passed else [self.norm]) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
         for layer in self.layers:
-            x = layer(x, norm=self.norm)
+            x = layer(x, norm=self.norm) if self.passed else layer(x)
         return x.square().mean()
 
 
-@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
-def test_buffers_of_a_module_the_parent_passes_in_update_once_per_step(mode):
-    _parity(SharedNorm, mode, layers="layers")
-    model = SharedNorm()
-    hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
-    train(model, "plain", _input)
-    assert model.norm.num_batches_tracked.item() == 6
+@pytest.mark.parametrize("passed", [True, False], ids=["passed", "held"])
+def test_buffers_of_a_module_the_layer_does_not_own_update_once_per_step(passed):
+    for mode in RECOMPUTE_MODES:
+        _parity(lambda: SharedNorm(passed), mode, layers="layers")
+        model = SharedNorm(passed)
+        hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+        train(model, "plain", _input)
+        assert model.norm.num_batches_tracked.item() == 6
 
 
 # --- the forward's context -------------------------------------------------------------------------------
