@@ -19,7 +19,11 @@ saved fewer tensors than the forward is a divergence too. The cost is one Python
 in forward and in replay, about 1 µs each (benchmarks/replay_check_overhead.py measures it per step).
 Tensors made by an excluded module (NOTE [Excluded modules] in recompute.py) are made outside the region
 in the replay (they are returned from the forward), so there an entry made outside the replay matches
-any maker.
+any maker. Which ops a composite op becomes depends on whether a dispatch mode is active (``reshape`` is
+``_reshape_alias`` without one and ``view`` under one; other composites choose out-of-place variants for
+"tensor subclass-like" inputs): the reshape family is one maker, and a replay whose dispatch-mode state
+differs from its forward's (a memory meter or ``FlopCounterMode`` around the forward only) is compared by
+shape and dtype alone, as torch's own check does.
 
 NOTE [Autocast casts served from the cache]
 Inside an autocast region torch caches the lower-precision cast of each leaf that requires grad (a
@@ -79,6 +83,13 @@ def cast_of_a_leaf(op: Any, args: tuple, kwargs: dict | None = None) -> bool:
             and dtype != source.dtype)
 
 
+_RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0",
+                       "AsStridedBackward0"})
+"""Nodes of ops that only give a tensor another shape over the same storage: which of them ``reshape``
+becomes depends on what dispatches it (a dispatch mode active in forward, such as a memory meter, and not
+in the replay, or the other way round), so they are one maker, ``"a reshape"``."""
+
+
 def _maker(tensor: torch.Tensor, first: int) -> str | None:
     """The name of the autograd node that made ``tensor`` in the region that started at sequence number
     ``first``, or ``None`` for a tensor made outside it (or an autocast cast of a leaf)."""
@@ -86,6 +97,8 @@ def _maker(tensor: torch.Tensor, first: int) -> str | None:
     if node is None or node._sequence_nr() < first:
         return None
     name = node.name()
+    if name in _RESHAPES:
+        return "a reshape"
     if name == "ToCopyBackward0":
         source = node.next_functions[0][0] if node.next_functions else None
         if source is None or source.name() == "torch::autograd::AccumulateGrad":
@@ -104,11 +117,13 @@ def _describe(entry: tuple[str | None, tuple[int, ...], torch.dtype] | None) -> 
 class _Fingerprint:
     """What one region invocation's forward saved for backward (NOTE [Every replay is checked])."""
 
-    __slots__ = ("entries", "index", "layer", "lenient")
+    __slots__ = ("entries", "index", "layer", "lenient", "under_modes")
 
     def __init__(self, layer: str, index: int | None, lenient: bool) -> None:
         self.entries: list[tuple[str | None, tuple[int, ...], torch.dtype]] = []
         self.layer, self.index, self.lenient = layer, index, lenient
+        self.under_modes = False
+        """Whether the forward ran under a dispatch mode (NOTE [Every replay is checked])."""
 
 
 class _Hooked:
@@ -137,6 +152,10 @@ class _Hooked:
 
 
 class _Recording(_Hooked):
+    def __enter__(self) -> None:
+        self.fingerprint.under_modes = torch._C._len_torch_dispatch_stack() > 0
+        super().__enter__()
+
     def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
         self.fingerprint.entries.append(entry)
 
@@ -145,9 +164,11 @@ class _Checking(_Hooked):
     def __init__(self, fingerprint: _Fingerprint) -> None:
         super().__init__(fingerprint)
         self.position = 0
+        self.by_metadata = False
 
     def __enter__(self) -> None:
         self.position = 0
+        self.by_metadata = (torch._C._len_torch_dispatch_stack() > 0) != self.fingerprint.under_modes
         super().__enter__()
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
@@ -161,8 +182,8 @@ class _Checking(_Hooked):
         entries, position = self.fingerprint.entries, self.position
         self.position += 1
         expected = entries[position] if position < len(entries) else None
-        if entry == expected or (self.fingerprint.lenient and expected is not None and entry[0] is None
-                                 and entry[1:] == expected[1:]):
+        if entry == expected or (expected is not None and entry[1:] == expected[1:] and (
+                self.by_metadata or (self.fingerprint.lenient and entry[0] is None))):
             return
         self._diverged(entry)
 

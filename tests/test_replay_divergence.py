@@ -356,3 +356,4 @@ def test_the_readme_stateful_forward_is_exact_in_full():
 class _SquareMean(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(x, torch.zeros_like(x))
+
