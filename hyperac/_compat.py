@@ -280,6 +280,44 @@ def _probe_region_budget() -> str | None:
     return "region_activation_memory_budget no longer refuses eager use; check what it means outside a graph"
 
 
+def _probe_parametrize_cache() -> str | None:
+    from torch.nn.utils import parametrize
+
+    module = torch.nn.Linear(2, 2)
+    torch.nn.utils.parametrizations.weight_norm(module)
+    with parametrize.cached():
+        enabled, weight = parametrize._cache_enabled, module.weight
+        cached = list(parametrize._cache.values())
+    if enabled != 1 or parametrize._cache_enabled != 0 or len(cached) != 1 or cached[0] is not weight:
+        return "parametrize._cache_enabled / _cache no longer hold the cached() state and its tensors"
+    return None
+
+
+def _probe_sdpa_backends() -> str | None:
+    from torch.nn import attention
+
+    backends = attention._cur_sdpa_kernel_backends(True)
+    attention._sdpa_kernel(backends, set_priority=True)
+    return None if attention._cur_sdpa_kernel_backends(True) == backends else "sdpa backends do not round-trip"
+
+
+def _probe_saved_tensor_hook_stack() -> str | None:
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        torch._C._autograd._push_saved_tensors_default_hooks(lambda t: seen.append(t) or pack(t), unpack)
+        try:
+            start = torch._C._autograd._get_sequence_nr()
+            x = torch.ones(2, requires_grad=True)
+            (x.exp() * 2).sum().backward()
+        finally:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    made = [t.grad_fn for t in seen if t.grad_fn is not None]
+    if not made or made[0].name() != "ExpBackward0" or made[0]._sequence_nr() < start:
+        return "the saved-tensors hook stack or autograd sequence numbers changed"
+    return None
+
+
 def _probe_local_scalar_dense_on_meta() -> str | None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -316,6 +354,12 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
     "Tensor._base": ("swap.py (views of parameters stay on the device)", _probe_tensor_base),
     "torch.autograd.graph.region_activation_memory_budget (prototype)": (
         "compiled.py (knapsack modes under compile=True)", _probe_region_budget),
+    "torch.nn.utils.parametrize._cache_enabled, _cache": (
+        "replay_context.py (a replay under the forward's parametrize.cached())", _probe_parametrize_cache),
+    "torch.nn.attention._cur_sdpa_kernel_backends, _sdpa_kernel": (
+        "replay_context.py (a replay under the forward's SDPA kernels)", _probe_sdpa_backends),
+    "torch._C._autograd saved-tensors hook stack (_top/_push/_pop), _get_sequence_nr, Node._sequence_nr": (
+        "replay_check.py (full-mode replay fingerprint)", _probe_saved_tensor_hook_stack),
     "aten::_local_scalar_dense on meta (answered by a dispatch mode)": (
         "planner/profile.py (.item() of a meta model's tensors)", _probe_local_scalar_dense_on_meta),
 }

@@ -23,8 +23,11 @@ writes or rebinds (``self.count = self.count + 1``) throwaways. When the replay 
 points at the tensor it held before the replay, which the forward updated exactly once. A second
 replay (``retain_graph``, ``create_graph``) gets fresh copies again. The cost is one copy of the
 region's persistent buffers per invocation, held until its backward: a few kilobytes for
-normalization statistics. Buffers reached other than through a module's ``_buffers`` (a tensor
-kept as a plain attribute) are not covered. Regions whose modules hold no buffers are left alone.
+normalization statistics. The region's modules are its own and those its forward is given or holds
+without registering them (a BatchNorm its parent owns, passed as an argument; ``PythonState.borrowed``
+in python_state.py), found per invocation. A tensor kept as a plain attribute is no buffer: a rebinding
+of it is undone around the replay (NOTE [Python state in the replay]), a write into it is not. Regions
+whose modules hold no buffers are left alone.
 
 NOTE [Non-persistent buffers are held, not copied]
 Non-persistent buffers (``register_buffer(..., persistent=False)``) are derived tables: rotary
@@ -40,7 +43,7 @@ read it (its version moved) cannot be undone without a copy: the replay raises
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -48,7 +51,7 @@ from torch import nn
 
 from .errors import InputWrittenError
 
-__all__ = ["BufferSnapshots"]
+__all__ = ["BufferSnapshots", "buffers_as_before"]
 
 _Slot = tuple[nn.Module, str]
 """A buffer slot: the module that owns it and the buffer's name."""
@@ -64,11 +67,11 @@ class _Held:
         self.tensor, self.version = tensor, tensor._version
 
 
-def _snapshot(region: nn.Module) -> dict[_Slot, torch.Tensor | _Held | None]:
+def _snapshot(modules: Iterable[nn.Module]) -> dict[_Slot, torch.Tensor | _Held | None]:
     return {
         (owner, name): None if buffer is None else _Held(buffer) if name in owner._non_persistent_buffers_set
         else buffer.detach().clone()
-        for owner in region.modules()
+        for owner in modules
         for name, buffer in owner._buffers.items()
     }
 
@@ -121,7 +124,8 @@ class _BuffersAsBefore:
 class BufferSnapshots:
     """A ``context_fn`` for ``torch.utils.checkpoint`` that keeps the region's buffer updates
     single and its replays reading the buffers its forward read (NOTE [Buffers in the replay]),
-    around the contexts of ``context_fn`` (or none).
+    around the contexts of ``context_fn`` (or none). Modules the region runs but does not own get
+theirs from :func:`buffers_as_before`, per invocation.
 
     Holds data only: the region and the wrapped ``context_fn``.
     """
@@ -145,8 +149,16 @@ class BufferSnapshots:
     def __call__(self) -> tuple[Any, Any]:
         # Called as the region's forward starts, outside the inner contexts: the copies made here
         # are no ops of the region.
-        snapshot = _snapshot(self.region)
+        snapshot = _snapshot(self.region.modules())
         inner_forward, inner_replay = (
             (contextlib.nullcontext(), contextlib.nullcontext()) if self.context_fn is None else self.context_fn()
         )
         return inner_forward, _BuffersAsBefore(snapshot, inner_replay, self.layer, self.index)
+
+
+def buffers_as_before(modules: list[nn.Module], layer: str, index: int | None) -> _BuffersAsBefore | None:
+    """The replay context that keeps the buffer updates of ``modules``, which a region runs but does not
+    own (a BatchNorm its parent passes in), single (NOTE [Buffers in the replay]): their snapshot is
+    taken now, as the region's forward starts; ``None`` if they hold no buffers."""
+    snapshot = _snapshot(modules)
+    return _BuffersAsBefore(snapshot, contextlib.nullcontext(), layer, index) if snapshot else None

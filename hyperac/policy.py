@@ -59,6 +59,7 @@ from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
 from .op_identity import communicates, key_length
+from .replay_check import cast_of_a_leaf, divergence
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
 
@@ -402,6 +403,7 @@ forced_recompute: contextvars.ContextVar[bool] = contextvars.ContextVar("hyperac
 
 
 _storage_key = getattr(torch_recompute, "_sac_storage_key", lambda func, args: func)
+_TO_COPY = torch.ops.aten._to_copy.default
 _CONSUMED = object()
 
 
@@ -471,14 +473,7 @@ class _Tape:
 
 def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
     recorded = tape.keys[index] if index < len(tape.keys) else "nothing more"
-    return RecomputeMismatchError(
-        f"hyperac: the recompute of layer {tape.layer!r} diverged from its forward at op {index} of "
-        f"{len(tape.keys)}: the forward ran {recorded}, the recompute ran {ran}. The layer's training forward "
-        "changes state that it branches on (a buffer, counter or attribute updated in forward, such as a "
-        "quantization observer), so running it again takes another path. "
-        "Leave such layers off: hyperac.apply(model, ..., "
-        f"layers={{{tape.index if tape.index is not None else '<index>'}: 'off'}}) for this one."
-    )
+    return divergence(tape.layer, tape.index, f"op {index} of {len(tape.keys)}", f"ran {recorded}", f"ran {ran}")
 
 
 class _EagerMode(TorchDispatchMode):
@@ -774,16 +769,24 @@ class _ReplayMode(_EagerMode):
         if exc_type is None and any(isinstance(kept, _Kept) for kept in self.tape.entries[self.cursor:]):
             raise _mismatch(self.tape, self.cursor, "nothing more")
 
-    def _realign(self, key: Any) -> int:
-        """The tape position of ``key``, which is not the op at the cursor.
+    def _realign(self, key: Any, func: Any, args: tuple, kwargs: dict) -> int | None:
+        """The tape position of ``key``, which is not the op at the cursor, or ``None`` where the op is
+        run without one.
 
         A forward may run ops its replay does not: a lazily computed constant cached on the module
         (``if self.dim_sqrt is None: self.dim_sqrt = torch.tensor(...).sqrt()``, HF ibert). Such a
-        run of ops starts from a new constant and keeps nothing, so the replay skips it. Anything
-        else is a divergence.
+        run of ops starts from a new constant and keeps nothing, so the replay skips it. An autocast
+        cast of a leaf (asked about whether or not the forward ran one here) is run without a tape
+        entry, and the forward's casts that the replay does not run are skipped: either side may have
+        served it from autocast's cache (NOTE [Autocast casts served from the cache] in
+        replay_check.py). Anything else is a divergence.
         """
+        if cast_of_a_leaf(func, args, kwargs):
+            return None
         tape, start = self.tape, self.cursor
-        if start < len(tape.keys) and _creates_constant(tape.keys[start]):
+        if start < len(tape.keys) and tape.keys[start] is key:
+            return start
+        if start < len(tape.keys) and (_creates_constant(tape.keys[start]) or cast_of_a_leaf(tape.keys[start], ())):
             for position in range(start, len(tape.keys)):
                 if tape.entries[position] is not None:
                     break
@@ -800,8 +803,10 @@ class _ReplayMode(_EagerMode):
             return func(*args, **kwargs)
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func
-        if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key):
-            index = self._realign(key)
+        if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key) or func is _TO_COPY:
+            index = self._realign(key, func, args, kwargs)
+            if index is None:
+                return func(*args, **kwargs)
         self.cursor = index + 1
         kept = tape.entries[index]
         if kept is None:

@@ -10,7 +10,11 @@ again in the replay.
 
 Recompute uses PyTorch's non-reentrant ``torch.utils.checkpoint``: gradients reach frozen
 layers' inputs and LoRA adapters, keyword arguments work, and the RNG state is replayed so
-dropout masks match.
+dropout masks match. Each eager replay also starts from the Python state its forward started from
+(NOTE [Python state in the replay] in python_state.py), under the forward's torch settings (NOTE [The
+forward's context in the replay] in replay_context.py), with the buffers of modules the layer runs but
+does not own as the forward read them (NOTE [Buffers in the replay] in buffers.py); and every replay is
+checked against its forward, ``full`` included (NOTE [Every replay is checked] in replay_check.py).
 
 NOTE [Excluded modules]
 A region may exclude sub-modules from its replay (an attention that publishes state, a module
@@ -45,7 +49,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ._compat import SAC_CHECKPOINT_KWARGS
 from ._hf import CACHE_KWARGS
 from .backends import Backend
-from .buffers import BufferSnapshots
+from .buffers import BufferSnapshots, buffers_as_before
 from .config import KNAPSACK_MODES, SELECTIVE_MODES
 from .errors import InputWrittenError, UnsupportedModelError, warn_once
 from .policy import (
@@ -58,6 +62,9 @@ from .policy import (
     selective_contexts,
     set_rng_states,
 )
+from .python_state import PythonState
+from .replay_check import full_replay_contexts
+from .replay_context import ForwardContext
 from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 
@@ -151,14 +158,26 @@ class RecomputeContext:
             self._ops = resolve_op_sets(self.backend_type(), self.save_ops)
         return self._ops
 
-    def context_fn(self) -> Callable[[], tuple[Any, Any]]:
-        """What to pass as ``context_fn``: under ``torch.compile`` a function the compiler accepts."""
+    def context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
+        """What to pass as ``context_fn``: under ``torch.compile`` a function the compiler accepts, or
+        nothing where the contexts only check the replay (:attr:`checks_only`)."""
+        if self.checks_only and torch.compiler.is_compiling():
+            return None
         return self._compiled if self.compile else self
+
+    @property
+    def checks_only(self) -> bool:
+        """Whether the contexts only check the replay (an eager ``full`` region without exclusions, NOTE
+        [Every replay is checked] in replay_check.py): a traced region goes without them (the compiler
+        replays its own graph)."""
+        return self.mode == "full" and not self.compile and not self.has_exclusions
 
     def __call__(self) -> tuple[Any, Any]:
         if self.mode in SELECTIVE_MODES:
             group = current_group() if self.swap_outputs else None
             forward_ctx, replay_ctx = selective_contexts(self.ops, group, self.mode, self.layer, self.index)
+        elif self.mode == "full" and not self.compile:
+            forward_ctx, replay_ctx = full_replay_contexts(self.layer, self.index, self.has_exclusions)
         else:
             forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         if not self.has_exclusions:
@@ -178,14 +197,12 @@ def build_context_fn(
     layer: str = "?",
     index: int | None = None,
 ) -> RecomputeContext | None:
-    """The context of regions of ``mode``, or ``None`` for PyTorch's default (full recompute).
+    """The context of regions of ``mode``, or ``None`` for PyTorch's default (a compiled ``full`` region).
 
     ``layer`` and ``index`` (fqn and flat index of the layer the region belongs to) name it in errors.
     Under ``compile``, ``swap_outputs`` offloads what the layer keeps (``mode="swap"``: everything it
     saves; NOTE [Swap under torch.compile] in compiled.py).
     """
-    if mode == "full" and not has_exclusions and not compile:
-        return None
     if compile and mode not in SELECTIVE_MODES and not (mode == "swap" and swap_outputs):
         return None
     return RecomputeContext(
@@ -327,10 +344,18 @@ class _Region:
         self.inputs: list[tuple[str, torch.Tensor, int]] = []
         """``(argument, tensor, version)`` of each tensor argument to check."""
         self.forward_done = False
+        self.as_in_forward: list[Any] = []
+        """What each replay enters to run as the forward did (NOTE [Python state in the replay], NOTE [The
+        forward's context in the replay], NOTE [Buffers in the replay])."""
 
     def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple, swapped: bool) -> Any:
         """The region's forward, ``start(...)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
         self.watched, self.given = True, args
+        module = self.override.module_and_forward()[0]
+        plain_kwargs = {name: value for name, value in self.kwargs.items() if name not in CACHE_KWARGS}
+        state = PythonState(module.modules(), args, plain_kwargs)
+        buffers = buffers_as_before(state.borrowed, self.override.fqn, self.override.index) if state.borrowed else None
+        self.as_in_forward = [state, ForwardContext(), *([] if buffers is None else [buffers])]
         keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
         self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, {})] + keywords
         try:
@@ -363,7 +388,14 @@ class _Region:
         if self.watched:
             self._check_inputs("after the layer returned")
         replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.override.fqn) for cache in self.caches}}
-        return self.call(*args, **replay_kwargs)
+        with contextlib.ExitStack() as stack:
+            token = bypass_replay.set(True)  # copies of buffers are no ops of the region
+            try:
+                for context in self.as_in_forward:
+                    stack.enter_context(context)
+            finally:
+                bypass_replay.reset(token)
+            return self.call(*args, **replay_kwargs)
 
 
 class RecomputedForward(Override):
@@ -412,8 +444,8 @@ class RecomputedForward(Override):
 
     def _untraceable(self) -> bool:
         """Whether torch.compile cannot trace this region (NOTE [Eager regions under torch.compile])."""
-        compiled = isinstance(self.context, RecomputeContext) and self.context.compile
-        return self.swap is not None or (self.context is not None and not compiled)
+        traced = isinstance(self.context, RecomputeContext) and (self.context.compile or self.context.checks_only)
+        return self.swap is not None or (self.context is not None and not traced)
 
 
 class SwappedForward(Override):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import os
 import random
 import sys
@@ -426,3 +427,19 @@ def hyperac_lines(counts: collections.Counter, key: object) -> Iterator[None]:
         yield
     finally:
         sys.settrace(previous)
+
+
+_COUNTERS: dict[int, collections.Counter] = {}
+"""The counters of :func:`counting_pre_hook`, module-level: hyperac puts back what a replay changes in the
+state a hook's closure holds (NOTE [Python state in the replay]), so a counter held there would count each
+forward once; a test that counts replays keeps its counter where hyperac does not reach."""
+
+
+def counting_pre_hook(counts: collections.Counter, key: Any) -> Callable[..., None]:
+    """A forward pre-hook that adds one to ``counts[key]`` each time the module runs, replays included."""
+    _COUNTERS[id(counts)] = counts
+    return functools.partial(_count, id(counts), key)
+
+
+def _count(table: int, key: Any, module: nn.Module, args: Any) -> None:
+    _COUNTERS[table].update([key])

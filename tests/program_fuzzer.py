@@ -275,41 +275,45 @@ def differences(expected: list[tuple[str, torch.Tensor]], actual: list[tuple[str
             if e.shape != a.shape or e.dtype != a.dtype or not torch.equal(_bits(e), _bits(a))]
 
 
-def apply_mode(model: nn.Module, mode: str) -> None:
+def apply_mode(model: nn.Module, mode: str, sample: Callable[[nn.Module], torch.Tensor] = _loss) -> None:
     """Apply ``mode``; ``auto`` gets a sample step and a budget halfway between its smallest plan
     (every layer in full recompute, which a first apply with a 1 KiB budget reports) and twice that."""
     if mode != "auto":
         hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
         return
     try:
-        hyperac.apply(model, mode="auto", backend="cpu", layers="layers", budget="1KiB", sample=_loss)
+        hyperac.apply(model, mode="auto", backend="cpu", layers="layers", budget="1KiB", sample=sample)
     except hyperac.ConfigError as error:
         smallest = re.search(r"smallest plan: (\d+) bytes", str(error))
         if smallest is None:
             raise
         budget = int(smallest.group(1)) * 3 // 2
-        hyperac.apply(model, mode="auto", backend="cpu", layers="layers", budget=budget, sample=_loss)
+        hyperac.apply(model, mode="auto", backend="cpu", layers="layers", budget=budget, sample=sample)
 
 
-def reference(program: dict, backward: str) -> list[tuple[str, torch.Tensor]] | str:
-    """What the un-applied program records in :func:`train`, or why it fails (an ``invalid`` program)."""
+def reference(program: dict, backward: str, make: Callable[[dict], nn.Module] | None = None,
+              loss_fn: Callable[[nn.Module], torch.Tensor] = _loss) -> list[tuple[str, torch.Tensor]] | str:
+    """What the un-applied program records in :func:`train`, or why it fails (an ``invalid`` program);
+    ``make`` builds the model from the program (:func:`build` by default), ``loss_fn`` is its loss."""
     try:
-        return train(build(program), backward)
+        return train((make or build)(program), backward, loss_fn)
     except RuntimeError as error:
         return f"{type(error).__name__}: {str(error)[:200]}"
 
 
-def outcome(program: dict, mode: str, backward: str, expected: list[tuple[str, torch.Tensor]]) -> tuple[str, str]:
+def outcome(program: dict, mode: str, backward: str, expected: list[tuple[str, torch.Tensor]],
+            make: Callable[[dict], nn.Module] | None = None,
+            loss_fn: Callable[[nn.Module], torch.Tensor] = _loss) -> tuple[str, str]:
     """(``parity`` | ``error`` | ``wrong`` | ``crash``, detail) of ``program`` applied in ``mode``,
-    against ``expected``, the un-applied :func:`reference`."""
-    model = build(program)
+    against ``expected``, the un-applied :func:`reference` (``make`` and ``loss_fn`` as there)."""
+    model = (make or build)(program)
     before = copy.deepcopy(model.state_dict())
     try:
-        apply_mode(model, mode)
+        apply_mode(model, mode, loss_fn)
         changed = differences(list(before.items()), list(model.state_dict().items()))
         if changed:
             return "wrong", f"apply changed {changed[:3]}"
-        actual = train(model, backward)
+        actual = train(model, backward, loss_fn)
     except DOCUMENTED_ERRORS as error:
         return "error", f"{type(error).__name__}: {str(error)[:200]}"
     except Exception as error:  # noqa: BLE001 (anything else is a finding)

@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from hyperac_testing import applied_copy, assert_parity, tiny_llama, train_step
+from hyperac_testing import applied_copy, assert_parity, counting_pre_hook, tiny_llama, train_step
 
 import hyperac
 from hyperac import Adapter, ConfigError
@@ -73,8 +73,8 @@ def counters(model):
     sub-module (a region root's own hooks stay outside its recompute and fire once)."""
     counts = collections.Counter()
     for index, layer in enumerate(model.model.layers):
-        layer.mlp.gate_proj.register_forward_pre_hook(lambda m, a, index=index: counts.update([("mlp", index)]))
-        layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a, index=index: counts.update([("attn", index)]))
+        layer.mlp.gate_proj.register_forward_pre_hook(counting_pre_hook(counts, ("mlp", index)))
+        layer.self_attn.q_proj.register_forward_pre_hook(counting_pre_hook(counts, ("attn", index)))
     return counts
 
 

@@ -8,9 +8,14 @@ losses, gradients, parameters and buffers bit for bit, or raise a documented hyp
 and hypothesis shrinks the program to a minimal one. Programs the un-applied model cannot run (a
 write into a tensor autograd saved) are skipped.
 
-The default suite runs a quick profile (``HYPERAC_FUZZ_EXAMPLES``, default 30 programs, fixed seeds,
-about 25 s of CPU); ``tox -e fuzz`` the long one (2,000 programs). With ``HYPERAC_FUZZ_REPORT=path``
-the counts per mode and outcome are written there as JSON.
+A second generator (tests/feature_fuzzer.py) draws models written the way users write them: autocast,
+forward hooks, Python attributes changed in forward, auxiliary-loss lists, modules the parent owns,
+parametrizations under ``parametrize.cached()``, the user's own checkpoint, data-dependent branches,
+``ModelOutput`` returns, float64 islands, a layer run twice, a loss over two lengths; the same oracle.
+
+The default suite runs a quick profile (``HYPERAC_FUZZ_EXAMPLES``, default 30 programs and 10 models, fixed
+seeds, about 40 s of CPU; the variable sets both counts); ``tox -e fuzz`` the long one (2,000 of each). With
+``HYPERAC_FUZZ_REPORT=path`` the counts per generator, mode and outcome are written there as JSON.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import json
 import os
 
 import pytest
+from feature_fuzzer import build, feature_programs, loss_fn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from program_fuzzer import BACKWARDS, MODES, outcome, programs, reference
 
 EXAMPLES = int(os.environ.get("HYPERAC_FUZZ_EXAMPLES", "30"))
+MODEL_EXAMPLES = int(os.environ.get("HYPERAC_FUZZ_EXAMPLES", "10"))
 COUNTS: collections.Counter = collections.Counter()
 
 
@@ -44,9 +51,25 @@ def _report():
 def test_random_programs_match_the_unapplied_model_or_raise_a_documented_error(program, backward):
     expected = reference(program, backward)
     if isinstance(expected, str):
-        COUNTS["(un-applied fails)", "invalid"] += 1
+        COUNTS["programs", "(un-applied fails)", "invalid"] += 1
         return
     for mode in MODES:
         result, detail = outcome(program, mode, backward, expected)
-        COUNTS[mode, result] += 1
+        COUNTS["programs", mode, result] += 1
+        assert result in ("parity", "error"), f"{mode}, {backward} backward: {result}: {detail}"
+
+
+@pytest.mark.filterwarnings("ignore::hyperac.HyperACWarning")
+@settings(max_examples=MODEL_EXAMPLES, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(program=feature_programs(), backward=st.sampled_from(BACKWARDS))
+def test_models_written_like_users_match_the_unapplied_model_or_raise_a_documented_error(program, backward):
+    loss = loss_fn(program)
+    expected = reference(program, backward, build, loss)
+    if isinstance(expected, str):
+        COUNTS["models", "(un-applied fails)", "invalid"] += 1
+        return
+    for mode in MODES:
+        result, detail = outcome(program, mode, backward, expected, build, loss)
+        COUNTS["models", mode, result] += 1
         assert result in ("parity", "error"), f"{mode}, {backward} backward: {result}: {detail}"

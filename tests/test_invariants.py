@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 import torch
-from hyperac_testing import applied_copy, assert_parity, train_step
+from hyperac_testing import applied_copy, assert_parity, counting_pre_hook, train_step
 from torch import nn
 
 import hyperac
@@ -71,7 +71,7 @@ def count_child_calls(model, child="mlp"):
     tensor, so a post-hook of the last sub-module may not fire in it."""
     counts = collections.Counter()
     for index, layer in enumerate(model.model.layers):
-        getattr(layer, child).register_forward_pre_hook(lambda module, args, index=index: counts.update([index]))
+        getattr(layer, child).register_forward_pre_hook(counting_pre_hook(counts, index))
     return counts
 
 

@@ -112,13 +112,18 @@ def test_generate_and_hand_written_decoding_match_unapplied(base_model, options)
 # training forwards
 
 
+_SEEN: collections.defaultdict = collections.defaultdict(list)
+"""The cache arguments each attention got, forward and replays: module-level, so that hyperac does not put
+back what a replay appends (NOTE [Python state in the replay] restores what hooks hold, not globals)."""
+
+
 def _record_cache_args(model):
-    seen = collections.defaultdict(list)
+    _SEEN.clear()
     for index, layer in enumerate(model.model.layers):
         layer.self_attn.register_forward_pre_hook(
-            lambda module, args, kwargs, index=index: seen[index].append(kwargs.get("cache")), with_kwargs=True
+            lambda module, args, kwargs, index=index: _SEEN[index].append(kwargs.get("cache")), with_kwargs=True
         )
-    return seen
+    return _SEEN
 
 
 def _prefix_cache(model, prefix_len=4, seed=11):

@@ -1,5 +1,6 @@
 """The selective policy's decisions, proven by what runs again in backward."""
 
+import collections
 import copy
 
 import pytest
@@ -320,19 +321,21 @@ def test_double_backward_through_gradients(attention, mode):
 # stateful forwards
 
 
+_CALLS = collections.Counter()
+
+
 class CountingBlock(nn.Module):
-    """A training forward that updates a Python counter and branches on it (like HF ibert's
-    `QuantAct` observers): its recompute runs other ops than its forward."""
+    """A training forward that updates a counter no module holds (a module-level global, which hyperac
+    cannot put back for the replay) and branches on it: its recompute runs other ops than its forward."""
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.proj = nn.Linear(width, width)
-        self.calls = 0
 
     def forward(self, x):
-        self.calls += 1
+        _CALLS[id(self)] += 1
         h = self.proj(x)
-        h = h.exp() if self.calls % 2 else h.sin()
+        h = h.exp() if _CALLS[id(self)] % 2 else h.sin()
         return x + h.tanh()
 
 

@@ -104,16 +104,18 @@ class _Enter:
 
 
 class _Leave:
-    """Forward hook (always called): the module's layer is done; a top-level layer finished."""
+    """Forward hook (always called): the module's layer is done; a top-level layer finished. A layer
+    that runs more than once per forward (ALBERT's one shared layer, weight sharing) counts as
+    finished from its first call on: the layers behind are a prefix of the layer list."""
 
-    def __init__(self, profiler: _Profiler, top: bool) -> None:
-        self.profiler, self.top = profiler, top
+    def __init__(self, profiler: _Profiler, position: int | None) -> None:
+        self.profiler, self.position = profiler, position
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.profiler.stack:
             self.profiler.stack.pop()
-        if self.top and not self.profiler.backward:
-            self.profiler.finished += 1
+        if self.position is not None and not self.profiler.backward:
+            self.profiler.finished = max(self.profiler.finished, self.position + 1)
 
 
 class _Profiler(StepMode):
@@ -296,7 +298,8 @@ def _profiled_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Mod
         for position, layer in enumerate(layer_modules):
             for module in layer.modules():
                 handles.append(module.register_forward_pre_hook(_Enter(profiler, position)))
-                handles.append(module.register_forward_hook(_Leave(profiler, module is layer), always_call=True))
+                leave = _Leave(profiler, position if module is layer else None)
+                handles.append(module.register_forward_hook(leave, always_call=True))
         torch.manual_seed(0)
         with profiler, torch.autograd.graph.saved_tensors_hooks(profiler.pack, profiler.unpack):
             loss, output = _loss(model, sample)

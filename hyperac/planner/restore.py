@@ -1,8 +1,10 @@
 """Profiling runs real training steps; this puts back everything those steps change.
 
 Gradients (backward accumulates into ``.grad`` in place), buffers (BatchNorm statistics,
-counters), random-number generators (dropout draws), and ``module.training`` flags are as they
-were when profiling ends, whether it ends normally or with an error.
+counters), random-number generators (dropout draws), ``module.training`` flags and the Python state
+the forward changes (counters, lists its forward hooks fill, tensors held as plain attributes, as far
+as NOTE [Python state in the replay] in python_state.py reaches) are as they were when profiling
+ends, whether it ends normally or with an error.
 
 NOTE [Rebound buffers]
 A forward may update a buffer in place (``running_mean.mul_(...)``) or rebind it
@@ -20,6 +22,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..python_state import PythonState
+
 __all__ = ["side_effects_undone"]
 
 
@@ -32,13 +36,14 @@ def _fork_rng(device_type: str) -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def side_effects_undone(model: nn.Module, device_type: str) -> Iterator[None]:
-    """Run the body with ``.grad`` cleared; on exit restore gradients, buffers, RNG and training flags.
+    """Run the body with ``.grad`` cleared; on exit restore gradients, buffers, RNG, training flags and Python state.
 
     ``device_type``: where the model's tensors live, so that its generators are restored too."""
     grads = {p: p.grad for p in model.parameters()}
     slots = [(module, dict(module._buffers)) for module in model.modules()]
     buffers = {b: b.detach().clone() for b in model.buffers() if b.device.type != "meta"}
     training = {m: m.training for m in model.modules()}
+    python_state = PythonState(model.modules(), (), {})
     with _fork_rng(device_type):
         try:
             for parameter in grads:  # backward would accumulate into the caller's grads in place
@@ -55,3 +60,4 @@ def side_effects_undone(model: nn.Module, device_type: str) -> Iterator[None]:
                     buffer.copy_(value)
             for module, flag in training.items():
                 module.training = flag
+            python_state.put_back()

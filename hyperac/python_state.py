@@ -1,0 +1,262 @@
+"""Python state a recomputed forward reads and changes, seen by each replay as the forward saw it.
+
+NOTE [Python state in the replay]
+A replay runs the layer's forward again in backward, Python included. A forward that changes Python
+state (``self.calls += 1``, an MoE layer appending its auxiliary loss to a list its parent owns, a
+forward hook recording activations, a lazily cached constant) would change it again in every replay,
+and a forward that reads it would read the changed value: a counter used as a value or a branch taken
+on it gives other gradients (silently in ``full``, whose saved tensors may have equal metadata), an
+auxiliary-loss list gets a stale entry per replay, a hook records twice. torch.utils.checkpoint does
+the same; hyperac promises the un-applied gradients without the user writing a checkpoint call.
+
+So as a region's forward starts, hyperac takes a shallow snapshot of the Python state it can reach:
+the attributes in the ``__dict__`` of every module the region runs (its own, modules passed to it as
+arguments, modules it holds other than as registered children; ``nn.Module``'s own bookkeeping
+excluded), the variables and objects closed over by the forward hooks and pre-hooks of those modules,
+and the non-tensor arguments; one level into each value that is a ``list``, ``dict``, ``set`` or plain
+object (its ``__dict__``). A replay first puts back every entry that differs from the snapshot (by
+identity, so tensors are never compared by value), runs, and then puts back what was there before it
+(the forward's own change, and whatever happened since): the forward changed the state once, and the
+replay read what the forward read. The snapshot holds references to the values it saw (no copies)
+until the region's backward is done.
+
+Not reached: module-level globals, objects two levels down (``self.a.b.c += 1``), in-place writes into
+a tensor held as a plain attribute, and side effects outside Python (printing, logging, files). A
+forward that branches on such state still diverges; every mode checks its replay and raises
+:class:`~hyperac.RecomputeMismatchError` (replay_check.py, NOTE [Every replay is checked]).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["PythonState"]
+
+_MODULE_BOOKKEEPING = frozenset(nn.Module().__dict__) | {"forward"}
+"""Keys of a module's ``__dict__`` that are nn.Module's own (parameters, buffers, children, hooks) or
+hyperac's (the instance ``forward`` it installs): never restored."""
+
+_OPAQUE = (torch.Tensor, nn.Module, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           types.ModuleType, types.CellType, functools.partial)
+_CONTAINERS = (list, dict, set)
+_MISSING = object()
+
+
+def _state_of(value: Any) -> dict[str, Any] | None:
+    """The ``__dict__`` of a plain object (not a torch object, a function, a class or a module), else
+    ``None``. Read by type, past the class's attribute hooks: HF configs override ``__getattribute__``,
+    which ``isinstance`` and ``vars`` would call."""
+    kind = type(value)
+    if issubclass(kind, _OPAQUE) or kind.__module__.partition(".")[0] == "torch":
+        return None
+    try:
+        return object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return None
+
+
+def _modules_in(value: Any) -> Iterator[nn.Module]:
+    """Modules ``value`` is, is a bound method of, or holds one level down (a list, tuple or dict)."""
+    kind = type(value)
+    if issubclass(kind, nn.Module):
+        yield value
+    elif kind is types.MethodType and issubclass(type(value.__self__), nn.Module):
+        yield value.__self__
+    elif kind in (list, tuple):
+        yield from (item for item in value if issubclass(type(item), nn.Module))
+    elif kind is dict:
+        yield from (item for item in value.values() if issubclass(type(item), nn.Module))
+
+
+def _hook_holders(module: nn.Module) -> Iterator[Any]:
+    """What the forward hooks and pre-hooks of ``module`` hold: the cells of their closures, their bound
+    ``self``, the arguments of a ``functools.partial``."""
+    for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+        while type(hook) is functools.partial:
+            yield from (*hook.args, *hook.keywords.values())
+            hook = hook.func
+        if type(hook) is types.MethodType:
+            yield hook.__self__
+            hook = hook.__func__
+        yield from getattr(hook, "__closure__", None) or ()
+
+
+def _contents(value: Any) -> Any:
+    """A shallow copy of what ``value`` holds, or ``_MISSING`` for a value that holds nothing hyperac restores."""
+    kind = type(value)
+    for container in _CONTAINERS:
+        if issubclass(kind, container):
+            return container(value)
+    state = _state_of(value)
+    return _MISSING if state is None else dict(state)
+
+
+def _same(first: Any, second: Any) -> bool:
+    """Equal shallow contents, compared by identity."""
+    if type(first) is dict:
+        return first.keys() == second.keys() and all(first[key] is second[key] for key in first)
+    if type(first) is list:
+        return len(first) == len(second) and all(a is b for a, b in zip(first, second))
+    return first == second
+
+
+class _Attributes:
+    """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity."""
+
+    __slots__ = ("module", "values")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.values = self.now()
+
+    def now(self) -> dict[str, Any]:
+        state = self.module.__dict__
+        return {name: state[name] for name in state.keys() - _MODULE_BOOKKEEPING}
+
+    def put(self, values: dict[str, Any]) -> None:
+        state = self.module.__dict__
+        for name in state.keys() - _MODULE_BOOKKEEPING - values.keys():
+            del state[name]
+        state.update(values)
+
+
+class _Cell:
+    """A hook's closure variable (``nonlocal count``)."""
+
+    __slots__ = ("cell", "values")
+
+    def __init__(self, cell: types.CellType) -> None:
+        self.cell = cell
+        self.values = self.now()
+
+    def now(self) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # not bound yet
+            return _MISSING
+
+    def put(self, value: Any) -> None:
+        if value is _MISSING:
+            del self.cell.cell_contents
+        else:
+            self.cell.cell_contents = value
+
+
+class _Contents:
+    """What a list, dict, set or plain object holds."""
+
+    __slots__ = ("value", "values")
+
+    def __init__(self, value: Any, contents: Any) -> None:
+        self.value, self.values = value, contents
+
+    def now(self) -> Any:
+        return _contents(self.value)
+
+    def put(self, contents: Any) -> None:
+        if issubclass(type(self.value), list):
+            self.value[:] = contents
+            return
+        target = self.value if issubclass(type(self.value), (dict, set)) else _state_of(self.value)
+        target.clear()
+        target.update(contents)
+
+
+class PythonState:
+    """The Python state one region invocation's forward starts from (NOTE [Python state in the
+    replay]); a context manager that makes a replay start from it, entered once per replay.
+
+    ``modules`` are the region's own; :attr:`borrowed` lists the modules its forward is given (in
+    ``args`` and ``kwargs``, or as bound methods) or its modules hold without registering them (a plain
+    attribute, a list), with their sub-modules; their state is part of the snapshot too.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
+        self.entries: list[_Attributes | _Cell | _Contents] = []
+        self.seen: set[int] = set()
+        self.displaced: list[list[tuple[Any, Any]]] = []
+        own = list(modules)
+        self.seen.update(map(id, own))
+        found: list[nn.Module] = []
+        for leaf in tree_leaves((args, kwargs)):
+            if issubclass(type(leaf), torch.Tensor):
+                continue
+            found.extend(_modules_in(leaf))
+            self._add_contents(leaf)
+        for module in own:
+            found.extend(self._add_module(module))
+        self.borrowed: list[nn.Module] = []
+        for candidate in found:
+            for module in candidate.modules():
+                if id(module) not in self.seen:
+                    self.seen.add(id(module))
+                    self.borrowed.append(module)
+                    self._add_module(module)
+
+    def _add_module(self, module: nn.Module) -> list[nn.Module]:
+        """Snapshot ``module``'s attributes, one level into them, and what its hooks hold; returns the
+        modules among its attributes."""
+        attributes = _Attributes(module)
+        self.entries.append(attributes)
+        held = []
+        for value in attributes.values.values():
+            held.extend(_modules_in(value))
+            self._add_contents(value)
+        for value in _hook_holders(module):
+            self._add_held(value)
+        return held
+
+    def _add_held(self, value: Any) -> None:
+        """What a hook holds: a closure cell (and one level into its value), a module's attributes (the
+        model a ``self.seen.append`` hook closes over), or one level into the value."""
+        if id(value) in self.seen:
+            return
+        kind = type(value)
+        if kind is types.CellType:
+            self.seen.add(id(value))
+            cell = _Cell(value)
+            self.entries.append(cell)
+            if cell.values is not _MISSING:
+                self._add_held(cell.values)
+        elif issubclass(kind, nn.Module):
+            self.seen.add(id(value))
+            attributes = _Attributes(value)
+            self.entries.append(attributes)
+            for item in attributes.values.values():
+                self._add_contents(item)
+        else:
+            self._add_contents(value)
+
+    def _add_contents(self, value: Any) -> None:
+        """One level into ``value``: what a list, dict, set or plain object holds (not a module: its
+        attributes are snapshotted where it is found to run)."""
+        if id(value) in self.seen or issubclass(type(value), nn.Module):
+            return
+        self.seen.add(id(value))
+        contents = _contents(value)
+        if contents is not _MISSING:
+            self.entries.append(_Contents(value, contents))
+
+    def put_back(self) -> list[tuple[Any, Any]]:
+        """Make the state what it was when this snapshot was taken; returns what it displaced."""
+        displaced = []
+        for entry in self.entries:
+            now = entry.now()
+            if now is not entry.values and (type(entry) is _Cell or not _same(now, entry.values)):
+                displaced.append((entry, now))
+                entry.put(entry.values)
+        return displaced
+
+    def __enter__(self) -> None:
+        self.displaced.append(self.put_back())
+
+    def __exit__(self, *exc: Any) -> None:
+        for entry, value in reversed(self.displaced.pop()):
+            entry.put(value)

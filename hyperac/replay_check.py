@@ -1,0 +1,204 @@
+"""Every replay is checked against its forward: a divergence is an error, never a silent result.
+
+NOTE [Every replay is checked]
+The selective modes check their replay op by op against the forward's tape (policy.py, NOTE [Replays
+that cannot use the tape]). ``full`` replays through torch.utils.checkpoint, which compares only the
+metadata (shape, dtype, device) of the tensors saved for backward, and with its early stop not even
+their number: a replay that takes the other side of an ``if`` whose two sides save tensors of equal
+metadata (``relu`` or ``sigmoid``), or that computes a weight three times where the forward computed
+it once, gives other gradients and no error.
+
+So a ``full`` region fingerprints each tensor its forward saves for backward, as it is saved (a hook
+around checkpoint's own ``saved_tensors_hooks``, no dispatch mode): the autograd node that made it
+(``SigmoidBackward0``), or "made outside the region" (an input, a parameter, a tensor made before the
+region started, an autocast cast of a leaf), its shape and its dtype. The replay fingerprints what it
+saves the same way and compares each entry with the forward's as it is saved, so the first difference
+raises :class:`~hyperac.RecomputeMismatchError` naming the layer, the position, the ops that made both
+tensors and the likely causes, before torch's own check or a wrong gradient. A replay that ends having
+saved fewer tensors than the forward is a divergence too. The cost is one Python call per saved tensor
+in forward and in replay, about 1 µs each (benchmarks/replay_check_overhead.py measures it per step).
+Tensors made by an excluded module (NOTE [Excluded modules] in recompute.py) are made outside the region
+in the replay (they are returned from the forward), so there an entry made outside the replay matches
+any maker. Which ops a composite op becomes depends on whether a dispatch mode is active (``reshape`` is
+``_reshape_alias`` without one and ``view`` under one; other composites choose out-of-place variants for
+"tensor subclass-like" inputs): the reshape family is one maker, and a replay whose dispatch-mode state
+differs from its forward's (a memory meter or ``FlopCounterMode`` around the forward only) is compared by
+shape and dtype alone, as torch's own check does.
+
+NOTE [Autocast casts served from the cache]
+Inside an autocast region torch caches the lower-precision cast of each leaf that requires grad (a
+weight): the first use casts (``aten._to_copy``), later uses in the same region take the cached cast.
+A replay runs in backward under a fresh autocast region, so where the forward's cast was served from
+the cache (a weight cast by an earlier layer that shares it, a second autocast block in one layer), the
+replay casts, and where the forward cast, a replay inside the user's autocast region may be served.
+Either way the values are equal: a cast of a leaf is no divergence. The selective replay accounts for
+such casts (:func:`cast_of_a_leaf`: one side's ``_to_copy`` that the other lacks is run, or skipped, not
+matched), and the fingerprint counts a cast of a leaf as made outside the region. Disabling the cache
+instead would give each use of a weight a cast of its own, whose gradients are summed in float32
+instead of the cast's dtype: not the un-applied gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import RecomputeMismatchError
+
+__all__ = ["cast_of_a_leaf", "divergence", "full_replay_contexts"]
+
+_LIKELY_CAUSES = (
+    "The layer's training forward reads state that changed between its forward and its replay and that hyperac "
+    "does not restore (NOTE [Python state in the replay]): a module-level global, an object two levels below a "
+    "module attribute, Python's random module, an in-place write into a tensor held as a plain attribute; so "
+    "running it again takes another path"
+)
+
+
+def divergence(layer: str, index: int | None, where: str, forward: str, replay: str) -> RecomputeMismatchError:
+    """The error for a replay of ``layer`` (flat index ``index``) that differs from its forward at ``where``."""
+    return RecomputeMismatchError(
+        f"hyperac: the recompute of layer {layer!r} diverged from its forward at {where}: the forward {forward}, "
+        f"the recompute {replay}. {_LIKELY_CAUSES}. Return such values from the forward instead of storing them, or "
+        "leave the layer out of recompute: hyperac.apply(model, ..., "
+        f"layers={{{index if index is not None else '<index>'}: 'off'}}) for this one."
+    )
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def cast_of_a_leaf(op: Any, args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether ``op(*args, **kwargs)`` may be an autocast cast of a leaf, which autocast caches (NOTE
+    [Autocast casts served from the cache]): a ``_to_copy`` of a leaf that requires grad, to another
+    dtype. Without arguments (an op on a forward's tape), whether ``op`` is a ``_to_copy``. (Inside the
+    op, autocast reads as disabled: its dispatch key is excluded while its kernel runs.)"""
+    if op is not _TO_COPY:
+        return False
+    if not args:
+        return True
+    source, dtype = args[0], (kwargs or {}).get("dtype")
+    return (isinstance(source, torch.Tensor) and source.is_leaf and source.requires_grad and dtype is not None
+            and dtype != source.dtype)
+
+
+_RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0",
+                       "AsStridedBackward0"})
+"""Nodes of ops that only give a tensor another shape over the same storage: which of them ``reshape``
+becomes depends on what dispatches it (a dispatch mode active in forward, such as a memory meter, and not
+in the replay, or the other way round), so they are one maker, ``"a reshape"``."""
+
+
+def _maker(tensor: torch.Tensor, first: int) -> str | None:
+    """The name of the autograd node that made ``tensor`` in the region that started at sequence number
+    ``first``, or ``None`` for a tensor made outside it (or an autocast cast of a leaf)."""
+    node = tensor.grad_fn
+    if node is None or node._sequence_nr() < first:
+        return None
+    name = node.name()
+    if name in _RESHAPES:
+        return "a reshape"
+    if name == "ToCopyBackward0":
+        source = node.next_functions[0][0] if node.next_functions else None
+        if source is None or source.name() == "torch::autograd::AccumulateGrad":
+            return None
+    return name
+
+
+def _describe(entry: tuple[str | None, tuple[int, ...], torch.dtype] | None) -> str:
+    if entry is None:
+        return "saved nothing more"
+    maker, shape, dtype = entry
+    made = "a tensor made outside the region" if maker is None else f"the output of {maker}"
+    return f"saved {made} ({str(dtype).removeprefix('torch.')} {list(shape)})"
+
+
+class _Fingerprint:
+    """What one region invocation's forward saved for backward (NOTE [Every replay is checked])."""
+
+    __slots__ = ("entries", "index", "layer", "lenient", "under_modes")
+
+    def __init__(self, layer: str, index: int | None, lenient: bool) -> None:
+        self.entries: list[tuple[str | None, tuple[int, ...], torch.dtype]] = []
+        self.layer, self.index, self.lenient = layer, index, lenient
+        self.under_modes = False
+        """Whether the forward ran under a dispatch mode (NOTE [Every replay is checked])."""
+
+
+class _Hooked:
+    """Runs :meth:`_saved` on each tensor saved for backward while entered, then the hooks that were on
+    top (checkpoint's): pushed on entry, popped on exit."""
+
+    def __init__(self, fingerprint: _Fingerprint) -> None:
+        self.fingerprint = fingerprint
+        self.first = 0
+        self.pack: Any = None
+
+    def __enter__(self) -> None:
+        self.first = torch._C._autograd._get_sequence_nr()
+        self.pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, unpack)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        self._saved((_maker(tensor, self.first), tuple(tensor.shape), tensor.dtype))
+        return self.pack(tensor)
+
+    def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
+        raise NotImplementedError
+
+
+class _Recording(_Hooked):
+    def __enter__(self) -> None:
+        self.fingerprint.under_modes = torch._C._len_torch_dispatch_stack() > 0
+        super().__enter__()
+
+    def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
+        self.fingerprint.entries.append(entry)
+
+
+class _Checking(_Hooked):
+    def __init__(self, fingerprint: _Fingerprint) -> None:
+        super().__init__(fingerprint)
+        self.position = 0
+        self.by_metadata = False
+
+    def __enter__(self) -> None:
+        self.position = 0
+        self.by_metadata = (torch._C._len_torch_dispatch_stack() > 0) != self.fingerprint.under_modes
+        super().__enter__()
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        super().__exit__(exc_type, *exc)
+        # A replay that stops early (checkpoint's early stop) raises out of the region; one that ends
+        # normally must have saved all the forward saved.
+        if exc_type is None and self.position < len(self.fingerprint.entries):
+            self._diverged(None)
+
+    def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
+        entries, position = self.fingerprint.entries, self.position
+        self.position += 1
+        expected = entries[position] if position < len(entries) else None
+        if entry == expected or (expected is not None and entry[1:] == expected[1:] and (
+                self.by_metadata or (self.fingerprint.lenient and entry[0] is None))):
+            return
+        self._diverged(entry)
+
+    def _diverged(self, entry: tuple[str | None, tuple[int, ...], torch.dtype] | None) -> None:
+        fingerprint, position = self.fingerprint, self.position - (entry is not None)
+        expected = fingerprint.entries[position] if position < len(fingerprint.entries) else None
+        raise divergence(
+            fingerprint.layer, fingerprint.index,
+            f"tensor {position} of the {len(fingerprint.entries)} it saved for backward",
+            _describe(expected), _describe(entry),
+        )
+
+
+def full_replay_contexts(layer: str, index: int | None, lenient: bool) -> tuple[Any, Any]:
+    """The (forward, replay) contexts of one ``full`` region invocation of ``layer`` (flat index ``index``)
+    that check its replay (NOTE [Every replay is checked]); ``lenient`` for regions with excluded modules."""
+    fingerprint = _Fingerprint(layer, index, lenient)
+    return _Recording(fingerprint), _Checking(fingerprint)
