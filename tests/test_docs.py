@@ -1,0 +1,64 @@
+"""The docs say what the code has: the API reference lists every public name, the architecture
+page's NOTE table names blocks that exist where it says, and no page cites a NOTE that does not
+exist. (The pages' code blocks run in test_readme.py; ``mkdocs build --strict`` in ``tox -e lint``
+checks links and the API reference's references.)"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+import hyperac
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+# A NOTE's definition opens a line (in a comment or a docstring); a reference cites it inside text,
+# or as "NOTE [Title] in other_file.py".
+_DEFINITION = re.compile(r"^\s*(?:#\s*)?NOTE \[(?P<title>[^\]]+)\](?! in )", re.MULTILINE)
+_CITED = re.compile(r"NOTE \[(?P<title>[^\]]+)\]")
+_TABLE_ROW = re.compile(r"^\| (?P<title>[^|]+?) \| `(?P<path>hyperac/[^`]+)` \|$", re.MULTILINE)
+
+
+def _definitions() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "hyperac").rglob("*.py")):
+        for match in _DEFINITION.finditer(path.read_text(encoding="utf-8")):
+            found.setdefault(match["title"], set()).add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_the_api_page_lists_every_public_name():
+    listed = re.findall(r"^::: hyperac\.(\w+)$", (DOCS / "api.md").read_text(encoding="utf-8"), re.MULTILINE)
+    assert sorted(listed) == sorted(set(listed)), "a name is listed twice"
+    assert set(listed) == set(hyperac.__all__)
+
+
+def test_every_public_name_has_a_docstring():
+    missing = [name for name in hyperac.__all__ if not (getattr(hyperac, name).__doc__ or "").strip()]
+    assert not missing
+
+
+def test_the_architecture_table_names_notes_where_they_are_defined():
+    rows = _TABLE_ROW.findall((DOCS / "architecture.md").read_text(encoding="utf-8"))
+    assert len(rows) >= 40
+    definitions = _definitions()
+    wrong = [(title, path) for title, path in rows if path not in definitions.get(title, set())]
+    assert not wrong, f"listed NOTEs not defined in the file named: {wrong}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_every_cited_note_exists(page):
+    definitions = _definitions()
+    cited = {" ".join(title.split()) for title in _CITED.findall(page.read_text(encoding="utf-8"))}  # wrapped lines
+    assert not cited - set(definitions), f"{page.name} cites NOTEs that no code defines"
+
+
+def test_the_version_agrees_with_pyproject_and_the_changelog():
+    """The version policy (CHANGELOG.md) keeps the two copies of the version equal, with an entry."""
+    declared = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.MULTILINE)
+    assert declared is not None and declared[1] == hyperac.__version__
+    assert f"## [{hyperac.__version__}]" in (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
