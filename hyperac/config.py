@@ -231,7 +231,9 @@ class Config:
     (``"selective-even"``: the other half of the matmuls),
     ``"pointwise"`` keeps every matmul's output too and
     recomputes only cheap ops (norms, activations, pointwise), ``"swap"`` recomputes nothing but keeps the tensors the
-    layer saves for backward (those of at least ``min_swap_bytes``) in host memory."""
+    layer saves for backward (those of at least ``min_swap_bytes``) in host memory. ``"knapsack-0.25"``,
+    ``"knapsack-0.5"`` and ``"knapsack-0.75"`` (with ``compile``) keep what torch's partitioner knapsack keeps at
+    that budget; ``"auto"`` chooses one mode per layer to fit ``budget`` (with ``sample``)."""
 
     backend: Any = "auto"
     """``"auto"`` (NPU, then CUDA, then CPU), a registered backend name, or a Backend instance."""
