@@ -34,7 +34,9 @@ def _definitions() -> dict[str, set[str]]:
 def test_the_api_page_lists_every_public_name():
     listed = re.findall(r"^::: hyperac\.(\w+)$", (DOCS / "api.md").read_text(encoding="utf-8"), re.MULTILINE)
     assert sorted(listed) == sorted(set(listed)), "a name is listed twice"
-    assert set(listed) == set(hyperac.__all__)
+    missing, extra = sorted(set(hyperac.__all__) - set(listed)), sorted(set(listed) - set(hyperac.__all__))
+    assert not missing, f"add a '::: hyperac.NAME' line to docs/api.md for each of {missing}"
+    assert not extra, f"docs/api.md lists {extra}, which hyperac.__all__ does not export"
 
 
 def test_every_public_name_has_a_docstring():
