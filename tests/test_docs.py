@@ -64,3 +64,21 @@ def test_the_version_agrees_with_pyproject_and_the_changelog():
     declared = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.MULTILINE)
     assert declared is not None and declared[1] == hyperac.__version__
     assert f"## [{hyperac.__version__}]" in (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs' default toc both make it (for the headings used here)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return re.sub(r"[ -]+", "-", text).strip("-")
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md"],
+                         ids=lambda path: path.name)
+def test_links_outside_the_site_reach_a_page_and_its_heading(page):
+    """README.md and the other root pages are not built by mkdocs, whose --strict checks the site's links."""
+    for target, anchor in re.findall(r"\]\((?!https?://)([^)#\s]+)(?:#([^)\s]+))?\)", page.read_text(encoding="utf-8")):
+        path = (page.parent / target).resolve()
+        assert path.is_file(), f"{page.name} links to {target}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {_slug(h) for h in headings}, f"{page.name} links to {target}#{anchor}: no such heading"
