@@ -1,10 +1,11 @@
 """The docs say what the code has: the API reference lists every public name, the architecture
-page's NOTE table names blocks that exist where it says, and no page cites a NOTE that does not
-exist. (The pages' code blocks run in test_readme.py; ``mkdocs build --strict`` in ``tox -e lint``
+page's NOTE table is the code's (docs/_ext/note_table.py writes it), and no page cites a NOTE that
+does not exist. (The pages' code blocks run in test_readme.py; ``mkdocs build --strict`` in ``tox -e lint``
 checks links and the API reference's references.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 
@@ -16,19 +17,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
-# A NOTE's definition opens a line (in a comment or a docstring); a reference cites it inside text,
-# or as "NOTE [Title] in other_file.py".
-_DEFINITION = re.compile(r"^\s*(?:#\s*)?NOTE \[(?P<title>[^\]]+)\](?! in )", re.MULTILINE)
 _CITED = re.compile(r"NOTE \[(?P<title>[^\]]+)\]")
-_TABLE_ROW = re.compile(r"^\| (?P<title>[^|]+?) \| `(?P<path>hyperac/[^`]+)` \|$", re.MULTILINE)
 
 
-def _definitions() -> dict[str, set[str]]:
-    found: dict[str, set[str]] = {}
-    for path in sorted((ROOT / "hyperac").rglob("*.py")):
-        for match in _DEFINITION.finditer(path.read_text(encoding="utf-8")):
-            found.setdefault(match["title"], set()).add(path.relative_to(ROOT).as_posix())
-    return found
+def _load(path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+note_table = _load(DOCS / "_ext" / "note_table.py")
 
 
 def test_the_api_page_lists_every_public_name():
@@ -44,17 +43,17 @@ def test_every_public_name_has_a_docstring():
     assert not missing
 
 
-def test_the_architecture_table_names_notes_where_they_are_defined():
-    rows = _TABLE_ROW.findall((DOCS / "architecture.md").read_text(encoding="utf-8"))
-    assert len(rows) >= 40
-    definitions = _definitions()
-    wrong = [(title, path) for title, path in rows if path not in definitions.get(title, set())]
-    assert not wrong, f"listed NOTEs not defined in the file named: {wrong}"
+def test_the_architecture_table_lists_every_note_where_it_is_defined():
+    defined = note_table.definitions()
+    assert not {title: files for title, files in defined.items() if len(files) > 1}, "a NOTE title defined twice"
+    assert len(defined) >= 40
+    assert note_table.page_table() == note_table.table(), \
+        "docs/architecture.md's NOTE table differs from the code's: run python docs/_ext/note_table.py"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
 def test_every_cited_note_exists(page):
-    definitions = _definitions()
+    definitions = note_table.definitions()
     cited = {" ".join(title.split()) for title in _CITED.findall(page.read_text(encoding="utf-8"))}  # wrapped lines
     assert not cited - set(definitions), f"{page.name} cites NOTEs that no code defines"
 
