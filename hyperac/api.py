@@ -20,7 +20,7 @@ from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
-from .plan import LayerPlan, Plan
+from .plan import LayerPlan, LengthBucket, Plan
 from .planner import (
     Estimate,
     auto_modes,
@@ -61,7 +61,9 @@ class _Default:
         return repr(self.value)
 
 
-_D = {field.name: _Default(field.default) for field in dataclasses.fields(Config)}
+_D: dict[str, Any] = {field.name: _Default(field.default) for field in dataclasses.fields(Config)}
+_Pairs = tuple[tuple[str, nn.Module], ...]
+_Regions = tuple[_Pairs, _Pairs]  # a layer's recomputed (fqn, module) pairs and its excluded ones
 
 
 def resolve_config(config: Config | None, fields: dict[str, Any]) -> Config:
@@ -129,7 +131,7 @@ def _refuse_overlap(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> N
 def _regions_by_layer(
     modules: dict[str, nn.Module], layers: list[Layer], modes: list[str], adapter: Adapter | None,
     config: Config, kv_sharing: bool, notes: list[str],
-) -> dict[str, tuple[tuple, tuple]]:
+) -> dict[str, _Regions]:
     """Per recomputed layer fqn: (recomputed (fqn, module) pairs, excluded pairs)."""
     selected = [layer for layer, mode in zip(layers, modes) if mode in RECOMPUTE_MODES]
     if adapter is not None:
@@ -344,7 +346,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
                                                separate_stream=chosen_backend.device_type != "cpu")
         if buckets:  # NOTE [Plans per length bucket] in length_switch.py
             switched = install_switched(named_modules, state, len(variants), install_variant)
-            switch = LengthSwitch(state, tuple(b.max_len for b in buckets), result.seq_dim, result.batch_shape,
+            switch = LengthSwitch(state, tuple(b.max_len for b in buckets), config.sequence_dim, result.batch_shape,
                                   switched)
             install_hook(model, switch, pre=True, with_kwargs=True)
         else:
@@ -370,7 +372,8 @@ Variant = tuple[list[str], list[bool], int | None, list[bool] | None]
 
 
 def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: list[bool],
-                     planned_swaps: list[bool] | None, buckets: tuple, longer: list[str]) -> list[Variant]:
+                     planned_swaps: list[bool] | None, buckets: tuple[LengthBucket, ...],
+                     longer: list[str]) -> list[Variant]:
     """The plan per length bucket, then ``longer`` (``full`` on every layer not wrapped already) with
     the default's swaps for longer batches (NOTE [Plans per length bucket]); without buckets, the
     plan alone. A bucket whose modes are the default's runs the default, swaps included; the others
@@ -392,7 +395,7 @@ def _bucket_variants(config: Config, backend: Backend, modes: list[str], swaps: 
 
 
 def _install(
-    found: list[Layer], modes: list[str], swaps: list[bool], last_swap: int | None, regions: dict,
+    found: list[Layer], modes: list[str], swaps: list[bool], last_swap: int | None, regions: dict[str, _Regions],
     backend: Backend, ops: OpSets | None, config: Config, state: AppliedState, planned_swaps: list[bool] | None,
     check_forced: bool = True,
 ) -> None:
@@ -416,14 +419,17 @@ def _install(
             _install_compiled(layer, mode, swap and index != last_swap, regions, backend, ops, state, claim)
             continue
         saved_tensors = mode == "swap" or config.swap_inputs or bool(planned_swaps and planned_swaps[index])
-        layer_swap = LayerSwap(state.swap, index != last_swap, saved_tensors) if swap else None
-        if mode == "swap":
+        layer_swap = None
+        if swap:
+            assert state.swap is not None, "an eager swap plan has a SwapManager"
+            layer_swap = LayerSwap(state.swap, index != last_swap, saved_tensors)
+        if mode == "swap" and layer_swap is not None:  # a 'swap' layer that does not swap was skipped above
             claim(layer.module)
             install_swap(layer.module, state, layer.fqn, layer_swap)
             continue
         roots, excluded = regions[layer.fqn]
         context = build_context_fn(
-            mode, backend, ops, compile=config.compile, has_exclusions=bool(excluded),
+            mode, backend, ops, compile=False, has_exclusions=bool(excluded),
             swap_outputs=swap and config.swap_selective_outputs, layer=layer.fqn, index=index,
         )
         for fqn, module in excluded:
@@ -438,7 +444,8 @@ def _install(
                 install_recompute(module, state, fqn, context, layer_swap, index)
 
 
-def _install_compiled(layer: Layer, mode: str, offloads: bool, regions: dict, backend: Backend, ops: OpSets | None,
+def _install_compiled(layer: Layer, mode: str, offloads: bool, regions: dict[str, _Regions], backend: Backend,
+                      ops: OpSets | None,
                       state: AppliedState, claim: Callable[[nn.Module], bool]) -> None:
     """Install one ``compile=True`` layer: a region the compiler traces, its swap as offload tags."""
     if mode == "swap" and not offloads:
@@ -450,7 +457,7 @@ def _install_compiled(layer: Layer, mode: str, offloads: bool, regions: dict, ba
             install_recompute(module, state, fqn, context)
 
 
-def _forced_modules(found: list[Layer], modes: list[str], regions: dict, patterns: tuple[str, ...],
+def _forced_modules(found: list[Layer], modes: list[str], regions: dict[str, _Regions], patterns: tuple[str, ...],
                     check: bool = True) -> dict[str, list[tuple[str, nn.Module]]]:
     """Per selective layer, the modules inside its regions that ``Config.force_recompute`` names
     (relative to the layer); with ``check``, :class:`ConfigError` for a name that matches none."""
@@ -498,7 +505,7 @@ def _containers(found: list[Layer]) -> list[str]:
     return list(dict.fromkeys(layer.container for layer in found))
 
 
-def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Callable:
+def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Callable[..., Any]:
     """``runner(model, containers)(mode) -> undo``: apply one mode to every layer, or
     ``{container: {index: mode}}`` (for profiling)."""
 
@@ -530,7 +537,8 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
     Args:
         model: works on real tensors and on a model built on the ``meta`` device.
         sample: a dict of model keyword arguments for one step, or a callable ``model -> loss``.
-        backend, layers: as for :func:`apply` (``layers`` names containers, not modes).
+        backend: as for :func:`apply`.
+        layers: as for :func:`apply`, but naming containers only, not modes.
         device_profile: for a model on ``meta`` only, the device whose roofline gives the seconds
             (``"h100"``, ``"h200"``, ``"a100"``, ``"910b"``, ``"cpu"``; see ``hyperac.planner.DEVICES``;
             default ``"cpu"``, this host). A model with real tensors is timed where it runs, so a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -47,9 +47,9 @@ def _op_name(op: Any) -> str | None:
     if isinstance(op, str):
         return op if "::" in op else None
     if isinstance(op, torch._ops.OpOverload):
-        return op.name()
+        return str(op.name())
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return op._qualified_op_name
+        return str(op._qualified_op_name)
     if isinstance(op, torch._ops.HigherOrderOperator):
         return f"higher_order::{op.name()}"
     return None
@@ -231,7 +231,9 @@ class Config:
     (``"selective-even"``: the other half of the matmuls),
     ``"pointwise"`` keeps every matmul's output too and
     recomputes only cheap ops (norms, activations, pointwise), ``"swap"`` recomputes nothing but keeps the tensors the
-    layer saves for backward (those of at least ``min_swap_bytes``) in host memory."""
+    layer saves for backward (those of at least ``min_swap_bytes``) in host memory. ``"knapsack-0.25"``,
+    ``"knapsack-0.5"`` and ``"knapsack-0.75"`` (with ``compile``) keep what torch's partitioner knapsack keeps at
+    that budget; ``"auto"`` chooses one mode per layer to fit ``budget`` (with ``sample``)."""
 
     backend: Any = "auto"
     """``"auto"`` (NPU, then CUDA, then CPU), a registered backend name, or a Backend instance."""
@@ -319,7 +321,7 @@ class Config:
     that matches no module inside a selective layer is an error."""
 
     def __post_init__(self) -> None:
-        if self.mode is False:  # YAML reads a bare `off` as False
+        if cast(object, self.mode) is False:  # YAML reads a bare `off` as False
             object.__setattr__(self, "mode", "off")
         if not isinstance(self.mode, str) or self.mode not in (*MODES, "auto"):
             raise ConfigError(
@@ -395,13 +397,14 @@ class Config:
                 raise ConfigError(
                     f"Config.plan must be a hyperac.Plan or its to_dict(), got {type(self.plan).__name__}."
                 )
-            object.__setattr__(self, "plan", Plan.from_dict(self.plan) if isinstance(self.plan, Mapping) else self.plan)
-            if self.plan.buckets and self.compile:
+            plan = Plan.from_dict(self.plan) if isinstance(self.plan, Mapping) else self.plan
+            object.__setattr__(self, "plan", plan)
+            if plan.buckets and self.compile:
                 raise ConfigError(
-                    f"Config.plan has length buckets (max_seq_len={self.plan.max_seq_len}), which are not supported "
+                    f"Config.plan has length buckets (max_seq_len={plan.max_seq_len}), which are not supported "
                     "with compile=True yet (each bucket's plan would be another graph); apply it with compile=False."
                 )
-        planned = None if self.plan is None else self.plan.seq_dim
+        planned = self.plan.seq_dim if isinstance(self.plan, Plan) else None
         if planned is not None and self.seq_dim not in (None, planned):
             raise ConfigError(
                 f"Config.seq_dim={self.seq_dim!r} contradicts the plan's seq_dim={planned!r}, the dimension its length "
@@ -464,4 +467,5 @@ class Config:
     @property
     def layer_spec(self) -> LayerSpec:
         """The parsed ``layers`` option."""
-        return self._layer_spec  # type: ignore[attr-defined]
+        spec: LayerSpec = self._layer_spec  # type: ignore[attr-defined]
+        return spec

@@ -133,13 +133,13 @@ class Plan:
                         or bounds != sorted(set(bounds)) or bounds[-1] != fields["max_seq_len"]):
             raise ConfigError(f"Config.plan['buckets'] have max_len {bounds!r}; give ints >= 1 in ascending order, "
                               f"the last one max_seq_len ({fields['max_seq_len']!r}).")
-        shape, seq_dim = data.get("batch_shape"), data.get("seq_dim")
+        batch, seq_dim = data.get("batch_shape"), data.get("seq_dim")
         if seq_dim is not None and (isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0):
             raise ConfigError(f"Config.plan['seq_dim'] is {seq_dim!r}; give the sequence dimension as an int >= 0 "
                               "(1 for (batch, seq)), or None.")
         return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
                    notes=tuple(data.get("notes", ())), buckets=buckets,
-                   batch_shape=None if shape is None else tuple(shape), seq_dim=seq_dim, **fields)
+                   batch_shape=None if batch is None else tuple(batch), seq_dim=seq_dim, **fields)
 
     def count(self, mode: str) -> int:
         return sum(1 for layer in self.layers if layer.mode == mode)

@@ -44,7 +44,7 @@ def host_link_override() -> float | None:
     return value
 
 
-def resolve_ops(qualified_names: Iterable[str]) -> frozenset:
+def resolve_ops(qualified_names: Iterable[str]) -> frozenset[Any]:
     """Return the dispatcher overloads named ``namespace::op.overload`` that exist right now.
 
     Names whose namespace or op is not registered (a vendor library not imported, an op added in
@@ -190,7 +190,7 @@ class Backend:
         """The stream compute is issued on, on ``device`` (default: the current device)."""
         return NullStream()
 
-    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """A context manager that issues work on ``stream``."""
         return contextlib.nullcontext()
 
@@ -257,11 +257,11 @@ class Backend:
     def reset_peak_memory_stats(self, device: torch.device | None = None) -> None:
         """Start a new peak measurement on ``device``."""
 
-    def attention_ops(self) -> frozenset:
+    def attention_ops(self) -> frozenset[Any]:
         """Attention overloads whose outputs the selective policy keeps."""
         return resolve_ops(_GENERIC_ATTENTION_OPS)
 
-    def communication_ops(self) -> frozenset:
+    def communication_ops(self) -> frozenset[Any]:
         """Collective overloads whose outputs the selective policy keeps (never replayed), besides every op
         whose schema takes a process group or a group's name, which it finds itself: name here the
         collectives whose schema names no group (a dispatcher holding its group in a buffer)."""
@@ -297,8 +297,9 @@ class DeviceModuleBackend(Backend):
     def current_stream(self, device: torch.device | None = None) -> Any:
         return self._module().current_stream(self._own(device))
 
-    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
-        return self._module().stream(stream)
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        context: contextlib.AbstractContextManager[Any] = self._module().stream(stream)
+        return context
 
     def new_event(self) -> Any:
         return self._module().Event()

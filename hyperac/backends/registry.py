@@ -48,9 +48,9 @@ def get_backend(name: str | Backend = "auto") -> Backend:
         return name
     if name == "auto":
         candidates = [c for c in _BACKENDS.values() if c.auto_priority is not None]
-        for cls in sorted(candidates, key=lambda c: -c.auto_priority):
-            if cls.is_available():
-                return cls()
+        for candidate in sorted(candidates, key=lambda c: -(c.auto_priority or 0)):
+            if candidate.is_available():
+                return candidate()
         raise BackendUnavailableError("no registered backend is available, not even 'cpu'.")
     cls = _BACKENDS.get(name)
     if cls is None:
