@@ -32,6 +32,7 @@ from .planner import (
 from .planner.auto import last_swap, link_bandwidth
 from .planner.compiled import compiled_auto_modes
 from .policy import OpSets, resolve_op_sets
+from .random_sources import check_trackers_registered
 from .recompute import (
     build_context_fn,
     install_exclusion,
@@ -328,6 +329,8 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
         require_knapsack(variant_modes, config.compile)
         _compat.require_for(variant_modes, variant_swaps, config)
     every_mode = {mode for variant in variants for mode in variant[0]}
+    if every_mode & set(RECOMPUTE_MODES):
+        check_trackers_registered(bool(config.compile))
     ops = resolve_op_sets(chosen_backend, config.save_ops) if every_mode & set(SELECTIVE_MODES) else None
     eager_swap = any(any(variant[1]) for variant in variants) and not config.compile
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if eager_swap else None

@@ -59,6 +59,7 @@ from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
 from .op_identity import communicates, key_length
+from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay_check import cast_of_a_leaf, divergence
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
@@ -407,26 +408,6 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _CONSUMED = object()
 
 
-RngStates = tuple[torch.Tensor, list[tuple[torch.device, torch.Tensor]]]
-
-
-def rng_states(*values: Any) -> RngStates:
-    """The CPU RNG state and that of every accelerator holding a tensor in ``values``."""
-    devices: list[torch.device] = []
-    for leaf in tree_leaves(values):
-        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta") and leaf.device not in devices:
-            devices.append(leaf.device)
-    return torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices]
-
-
-def set_rng_states(states: RngStates) -> None:
-    """Undo the RNG draws made since :func:`rng_states` returned ``states``."""
-    cpu_state, device_states = states
-    torch.set_rng_state(cpu_state)
-    for device, state in device_states:
-        torch.get_device_module(device.type).set_rng_state(state, device)
-
-
 class _Kept:
     """The output of one op that the policy keeps: detached tensors and the versions they had, and
     the aliases of their storages whose version counters are their own
@@ -434,11 +415,12 @@ class _Kept:
 
     __slots__ = ("aliases", "leaves", "rng", "spec", "versions")
 
-    def __init__(self, leaves: list[Any], spec: Any, rng: RngStates | None) -> None:
+    def __init__(self, leaves: list[Any], spec: Any, rng: GeneratorStates | None) -> None:
         self.leaves = leaves
         self.spec = spec
         self.versions = [leaf._version if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         self.rng = rng
+        """The generators the op moved, as it left them (NOTE [Kept ops that draw random numbers])."""
         self.aliases: list[tuple[int, torch.Tensor, int]] = []
         """``(leaf position, detached alias, its version)`` per alias met in the forward."""
 
@@ -598,27 +580,21 @@ class _RecordingMode(_EagerMode):
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         versions = higher_order.tensor_versions(args, kwargs) if kind == _ONCE else None
+        keeps = kind >= _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()  # collectives, once-ops
+                                         and self.policy.keeps(kind, func, args))
+        generators = watch_generators(args, kwargs) if keeps else None  # NOTE [Kept ops that draw random numbers]
         out = func(*args, **kwargs)
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
-        keeps = kind >= _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()  # collectives, once-ops
-                                         and self.policy.keeps(kind, func, args))
         if keeps and versions is not None:  # one that wrote into its inputs is replayed (NOTE [Higher-order operators])
             keeps = not higher_order.wrote(versions)
-        self.tape.entries.append(self._keep(func, out) if keeps else None)
+        self.tape.entries.append(self._keep(out, draws_since(generators)) if keeps else None)
         if kind >= _COLLECTIVE or keyed:
             self.collectives.add(len(self.tape.entries) - 1)
         return out
 
-    def _keep(self, func: Any, out: Any) -> _Kept:
-        # NOTE [Kept ops that draw random numbers]: an attention kernel with dropout advances the
-        # RNG; the replay does not run it, so it sets the RNG to where the forward left it, and a
-        # dropout after it draws the forward's mask.
-        # A kept higher-order op has no tags; it may have drawn (NOTE [Higher-order operators]).
-        random = (higher_order.may_draw_random(func) if isinstance(func, torch._ops.HigherOrderOperator)
-                  else torch.Tag.nondeterministic_seeded in func.tags)
-        rng = rng_states(out) if random else None
+    def _keep(self, out: Any, rng: GeneratorStates | None) -> _Kept:
         leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -815,7 +791,7 @@ class _ReplayMode(_EagerMode):
         if kept is _CONSUMED or not kept.intact():
             return func(*args, **kwargs)
         if kept.rng is not None:
-            set_rng_states(kept.rng)  # NOTE [Kept ops that draw random numbers]
+            restore_generators(kept.rng)  # NOTE [Kept ops that draw random numbers] in random_sources.py
         return kept.value()
 
 

@@ -58,11 +58,10 @@ from .policy import (
     compile_context_fn,
     forced_recompute,
     resolve_op_sets,
-    rng_states,
     selective_contexts,
-    set_rng_states,
 )
 from .python_state import PythonState
+from .random_sources import TrackerReplay, rng_states, set_rng_states
 from .replay_check import full_replay_contexts
 from .replay_context import ForwardContext
 from .state import AppliedState, Override
@@ -435,6 +434,8 @@ class RecomputedForward(Override):
     def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
         """What runs the region's forward on ``args``: the recompute, within the swap if any."""
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
+        if not torch.compiler.is_compiling():  # NOTE [RNG trackers] in random_sources.py
+            context_fn = TrackerReplay.wrap(context_fn)
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)
         if self.swap is not None:
