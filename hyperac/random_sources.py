@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from .errors import ConfigError, UnsupportedModelError
 
@@ -64,13 +63,21 @@ def _set_state(source: _Source, state: torch.Tensor) -> None:
         torch.get_device_module(source.type).set_rng_state(state, source)
 
 
-def _sources(values: Any) -> list[_Source]:
+def _sources(values: Any, found: list[_Source] | None = None) -> list[_Source]:
     """The CPU generator, the default generator of each accelerator a tensor or device in ``values``
-    names, and each generator in ``values``."""
-    sources: list[_Source] = [None]
-    for leaf in tree_leaves(values):
+    (an op's arguments, nested in lists, tuples and dicts) names, and each generator in ``values``."""
+    sources: list[_Source] = [None] if found is None else found
+    for leaf in values:
         if isinstance(leaf, torch.Tensor):
+            if leaf.is_cpu or leaf.is_meta:
+                continue
             leaf = leaf.device
+        elif isinstance(leaf, (list, tuple)):
+            _sources(leaf, sources)
+            continue
+        elif isinstance(leaf, dict):
+            _sources(leaf.values(), sources)
+            continue
         if isinstance(leaf, torch.device):
             if leaf.type in ("cpu", "meta"):
                 continue
@@ -116,10 +123,12 @@ def restore_generators(states: GeneratorStates) -> None:
 # ``keep_prob``) or an op given ``generator=`` need not be tagged. Only kept ops are watched, a
 # fraction of a layer's ops, and a watch reads the state of each generator the op can reach (the CPU
 # one, the default generator of each device its arguments name, any it is given) before and after it
-# runs: on CPU a 5,056-byte Mersenne state, about 2 us to read and compare (about 4 us per kept op on
-# a 2-core host, so some 20 us per Llama layer under ``pointwise``, against its milliseconds of
-# compute); a CUDA-like generator's state is its seed and offset (16 bytes). Only a generator that
-# moved is set in the replay, so a kept op that draws nothing costs the replay nothing.
+# runs: on CPU a 5,056-byte Mersenne state (torch's CPU generator has no offset to read instead); a
+# CUDA-like generator's state is its seed and offset (16 bytes). Measured on a loaded 2-core host:
+# 1 us to find the generators, 8 us per kept op in all against 1.4 us for a 4x4 ``mm``; a tiny Llama
+# layer keeps 4 of its 73 ops under ``selective``, so about 0.4 us per op of the region, against the
+# recording's 11 us per op (benchmarks/recording_overhead.py). Only a generator that moved is set in
+# the replay, so a kept op that draws nothing costs the replay nothing.
 
 
 # ---------------------------------------------------------------------------------------------
