@@ -104,7 +104,25 @@ def _check_model(model: Any) -> list[tuple[str, nn.Module]]:
             f"HF activation checkpointing is already on ({enabled}.gradient_checkpointing=True); call "
             "model.activation_checkpointing_disable() (or gradient_checkpointing_disable()) first."
         )
+    _refuse_stack_recompute(modules)
     return modules
+
+
+def _refuse_stack_recompute(modules: list[tuple[str, nn.Module]]) -> None:
+    """Refuse a model whose training stack recomputes already: a module's ``config.recompute_granularity``
+    is set (Megatron-Core's ``TransformerConfig``, as under MindSpeed and NeMo). Its blocks would
+    checkpoint inside hyperac's regions and run three times per step (issue 27: 1.64x the FLOPs of no
+    recompute against Megatron full's 1.32x); its flags are read when the modules are built, so hyperac
+    cannot turn them off afterwards."""
+    for name, module in modules:
+        granularity = getattr(getattr(module, "config", None), "recompute_granularity", None)
+        if isinstance(granularity, str):
+            raise UnsupportedModelError(
+                f"the model recomputes already: {name or type(module).__name__}.config.recompute_granularity="
+                f"{granularity!r}, so its layers would be recomputed twice. Build the model with "
+                "recompute_granularity=None (drop --recompute-granularity, --recompute-method, --recompute-num-layers "
+                "and --recompute-modules); hyperac's mode takes their place, e.g. mode='full' or mode='selective'."
+            )
 
 
 def _refuse_overlap(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
