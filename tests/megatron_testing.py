@@ -20,13 +20,15 @@ SEED = 1234
 Step = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
-def tiny_gpt(tp: int = 1, sequence_parallel: bool = False, post_process: bool = True, **recompute: Any) -> GPTModel:
+def tiny_gpt(tp: int = 1, sequence_parallel: bool = False, post_process: bool = True, dropout: float = 0.1,
+             **recompute: Any) -> GPTModel:
     """4 layers, hidden 64, Megatron's local (no Transformer Engine) layer spec, attention and hidden
-    dropout 0.1, seeded; ``recompute``: Megatron's own recompute fields of ``TransformerConfig``.
+    ``dropout``, seeded; ``recompute``: Megatron's own recompute fields of ``TransformerConfig``.
     ``post_process=False``: a first pipeline stage (embedding and layers, no output layer)."""
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
-        attention_dropout=0.1, hidden_dropout=0.1, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+        attention_dropout=dropout, hidden_dropout=dropout, tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
         masked_softmax_fusion=False, bias_dropout_fusion=False, bias_activation_fusion=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, **recompute,
     )
