@@ -39,12 +39,19 @@ def run_case(mode: str, sequence_parallel: bool, reference: list) -> dict:
     model = megatron_testing.tiny_gpt(tp=2, sequence_parallel=sequence_parallel, **MEGATRON.get(mode, {}))
     if mode not in MEGATRON:
         hyperac_megatron.apply(model, mode=mode, backend="cpu")
-    got = megatron_testing.steps(model, tp_rank=rank)
+    got, all_reduces = counted(model, rank)
     diffs, equal = zip(*(compare(one, other) for one, other in zip(got, reference)))
     both = torch.tensor([float(all(equal)), max(diffs)])
     dist.all_reduce(both[:1], op=dist.ReduceOp.MIN)
     dist.all_reduce(both[1:], op=dist.ReduceOp.MAX)
-    return {"bitwise": bool(both[0].item()), "max_diff": both[1].item()}
+    return {"bitwise": bool(both[0].item()), "max_diff": both[1].item(), "all_reduces": all_reduces}
+
+
+def counted(model: torch.nn.Module, rank: int) -> tuple[list, int]:
+    """The two steps, and how many all-reduces gloo ran in them (a profiler event per run)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = megatron_testing.steps(model, tp_rank=rank)
+    return got, sum(event.name == "gloo:all_reduce" for event in profile.events())
 
 
 def main() -> None:
@@ -57,8 +64,9 @@ def main() -> None:
     try:
         for sequence_parallel in (False, True):
             rank = parallel_state.get_tensor_model_parallel_rank()
-            reference = megatron_testing.steps(megatron_testing.tiny_gpt(tp=2, sequence_parallel=sequence_parallel),
-                                               tp_rank=rank)
+            reference, all_reduces = counted(megatron_testing.tiny_gpt(tp=2, sequence_parallel=sequence_parallel),
+                                             rank)
+            results[f"{'sp' if sequence_parallel else 'tp'}/off"] = {"all_reduces": all_reduces}
             for mode in ("full", "selective", "pointwise", *MEGATRON):
                 key = f"{'sp' if sequence_parallel else 'tp'}/{mode}"
                 try:

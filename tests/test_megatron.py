@@ -152,8 +152,14 @@ def tensor_parallel_results(tmp_path_factory):
 def test_two_tensor_parallel_ranks_bitwise(tensor_parallel_results, sequence_parallel, mode):
     """Two gloo ranks, tensor parallel (and sequence parallel): each rank's gradients equal those of
     the un-applied model on the same ranks, bitwise, over two steps. The selective modes keep the
-    outputs of Megatron's collectives (never replayed); full recompute runs them again in backward, as
-    Megatron's own full recompute does."""
-    result = tensor_parallel_results[f"{'sp' if sequence_parallel else 'tp'}/{mode}"]
+    outputs of Megatron's all-reduces and reduce-scatters (never run again: gloo runs as many
+    all-reduces as without hyperac); full recompute runs them again in backward, as Megatron's own
+    full recompute does. Not yet kept: sequence parallel's all-gather (``c10d::_allgather_base_``,
+    which hyperac's policy ignores for FSDP2's parameter unshard) runs again in the replay, on every
+    rank alike."""
+    parallel = "sp" if sequence_parallel else "tp"
+    result = tensor_parallel_results[f"{parallel}/{mode}"]
     assert "error" not in result, result.get("traceback", result.get("error"))
     assert result["bitwise"], f"rank gradients differ from the un-applied model's by {result['max_diff']}"
+    if mode in ("selective", "pointwise"):
+        assert result["all_reduces"] == tensor_parallel_results[f"{parallel}/off"]["all_reduces"]

@@ -100,7 +100,6 @@ _GENERIC_COMMUNICATION_OPS = (
     "_c10d_functional::broadcast",
     "_dtensor::shard_dim_alltoall",
     "c10d::alltoall_base_",
-    "c10d::_allgather_base_",
     "c10d::_reduce_scatter_base_",
     "c10d::reduce_scatter_tensor_coalesced_",
     "c10d::allreduce_",
