@@ -177,13 +177,12 @@ def register_rng_tracker(name: str, tracker: TrackerSource) -> None:
             f"register_rng_tracker({name!r}, ...) needs an object with get_states() and set_states(states), or a "
             f"function returning one; got {tracker!r}."
         )
-    existing = _TRACKERS.get(name)
-    if existing is not None and existing is not tracker:
+    existing = _TRACKERS.setdefault(name, tracker)
+    if existing is not tracker:
         raise ConfigError(
             f"an RNG tracker is already registered as {name!r} ({existing!r}); call "
             f"hyperac.unregister_rng_tracker({name!r}) first, or register this one under another name."
         )
-    _TRACKERS[name] = tracker
 
 
 def unregister_rng_tracker(name: str) -> None:
