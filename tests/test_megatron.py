@@ -10,6 +10,7 @@ the RNG tracker, and NCCL; the gloo ranks run the same Megatron code paths.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -24,6 +25,7 @@ import megatron_shims  # noqa: E402
 import megatron_testing  # noqa: E402
 from hyperac_testing import assert_parity  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput  # noqa: E402
 
 import hyperac  # noqa: E402
 from hyperac.integrations import megatron as hyperac_megatron  # noqa: E402
@@ -113,6 +115,49 @@ def test_model_with_megatron_recompute_is_refused(recompute):
                              r"Build the model with recompute_granularity=None \(drop --recompute-granularity"):
         hyperac_megatron.apply(model, mode="selective", backend="cpu")
     assert not hasattr(model, "_hyperac")
+
+
+def _mlp_with(model, kind: str):
+    """Each layer's MLP with a recompute of its own inside: torch's checkpoint around the MLP, or
+    Megatron's ``CheckpointWithoutOutput`` around the activation (what ``recompute_modules=["moe_act"]``
+    and MindSpeed's activation-function recompute do), its output freed once ``linear_fc2`` saved it."""
+    for layer in model.decoder.layers:
+        mlp, forward = layer.mlp, layer.mlp.forward
+        if kind == "torch":
+            mlp.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
+        else:
+            mlp.forward = functools.partial(_activation_without_output, mlp)
+    return model
+
+
+def _activation_without_output(mlp, hidden, **_):
+    intermediate, bias = mlp.linear_fc1(hidden)
+    recompute = CheckpointWithoutOutput(fp8=None)  # fp8=False would mean "on" (`fp8 is not None`) in 0.16.1
+    activation = recompute.checkpoint(lambda x, b: torch.nn.functional.gelu(x + b), intermediate, bias)
+    output, output_bias = mlp.linear_fc2(activation)
+    recompute.discard_output_and_register_recompute(output)
+    return output, output_bias
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_torch_checkpoint_inside_a_layer_is_bitwise(mode):
+    expected = megatron_testing.steps(_mlp_with(megatron_testing.tiny_gpt(), "torch"))
+    model = _mlp_with(megatron_testing.tiny_gpt(), "torch")
+    hyperac_megatron.apply(model, mode=mode, backend="cpu")
+    _assert_steps_equal(expected, megatron_testing.steps(model))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpoint_without_output_inside_a_layer_is_refused(mode):
+    """Issue 27: backward failed with "The tensor has a non-zero number of elements, but its data is not
+    allocated yet"; now the first forward refuses the layer, naming it and the fix."""
+    model = _mlp_with(megatron_testing.tiny_gpt(), "without-output")
+    megatron_testing.steps(model, count=1)  # un-applied, Megatron's own output-discarding recompute works
+    hyperac_megatron.apply(model, mode=mode, backend="cpu")
+    with pytest.raises(hyperac.UnsupportedModelError,
+                       match=r"recomputed layer 'decoder.layers.0' frees, in its forward, the data of a tensor.*"
+                             r"CheckpointWithoutOutput.*layers=\{0: 'off'\}"):
+        megatron_testing.steps(model, count=1)
 
 
 def test_plain_apply_without_the_tracker_is_refused_before_the_first_step():
