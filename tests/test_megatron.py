@@ -36,11 +36,13 @@ WORKER = pathlib.Path(__file__).with_name("megatron_worker.py")
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank(tmp_path_factory):
-    """A gloo world of one rank and Megatron's parallel state for it."""
+    """A gloo world of one rank and Megatron's parallel state for it; Megatron's RNG tracker left
+    unseeded after (a seeded one makes every later apply in the process refuse until it is registered)."""
     store = tmp_path_factory.mktemp("megatron") / "store"
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1)
     yield
+    tensor_parallel.get_cuda_rng_tracker().reset()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
