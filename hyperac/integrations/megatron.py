@@ -18,11 +18,15 @@ hyperac does the same once the tracker is registered (:func:`hyperac.register_rn
 :class:`hyperac.UnsupportedModelError` naming this fix, and any apply to a model built with Megatron's
 recompute on raises too (its layers would be recomputed twice).
 
-Megatron's collectives (tensor-parallel all-reduce, sequence-parallel all-gather and reduce-scatter)
-run inside its ``autograd.Function`` s, which hyperac's selective modes see as the functions' own
-forward ops: ``c10d`` collectives, which they keep and never replay. The pipeline's
+Megatron's collectives run inside its ``autograd.Function`` s, where hyperac's selective modes see
+them as ``c10d`` ops: the tensor-parallel all-reduce and the sequence-parallel reduce-scatter are kept
+and not run again in backward (NOTE [Collectives that write into their arguments] in policy.py);
+sequence parallel's all-gather (``c10d::_allgather_base_``, which the policy ignores for FSDP2's
+parameter unshard) runs again in the replay on every rank alike, as under ``full``. The pipeline's
 ``deallocate_output_tensor`` frees a stage's output data after sending it, which hyperac's regions do
-not read again (the layer's output is not one of its saved inputs).
+not read again (the layer's output is not one of its saved inputs). Megatron's output-discarding
+``CheckpointWithoutOutput`` inside a recomputed layer is refused on the layer's first forward (NOTE
+[Saved tensors freed in forward] in freed_saves.py).
 
 megatron-core 0.16.1 is the newest release with a wheel for Python 3.11 (0.17 needs 3.12);
 ``tox -e megatron`` tests this module with it.
