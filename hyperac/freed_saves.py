@@ -18,6 +18,7 @@ of each region only: the freeing is a property of the layer's code, the same eve
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -46,8 +47,8 @@ class FreedSaves:
 
 
 class _WatchSaves:
-    """Enters ``inner``, then looks at each tensor saved for backward on its way to the region's
-    pack hook; on a clean exit, raises if one of their storages lost its data."""
+    """Looks at each tensor saved for backward on its way to the region's pack hook while ``inner``
+    runs inside; on a clean exit, raises if one of their storages lost its data."""
 
     def __init__(self, inner: Any, layer: str, index: int | None) -> None:
         self.inner, self.layer, self.index = inner, layer, index
@@ -55,29 +56,43 @@ class _WatchSaves:
         self.pack: Any = None
 
     def __enter__(self) -> None:
-        self.inner.__enter__()
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        if hooks is None:  # outside checkpoint's hooks nothing is saved on the region's behalf
-            return
-        self.pack, unpack = hooks
-        torch._C._autograd._push_saved_tensors_default_hooks(self._watch, unpack)
+        if hooks is not None:  # outside checkpoint's hooks nothing is saved on the region's behalf
+            self.pack, unpack = hooks
+            # Autograd holds the hook until backward: it holds the list and the region's own pack
+            # hook, not this context (which holds the inner one, a recording mode and what it kept).
+            watch = functools.partial(_watch, self.saved, self.pack)
+            torch._C._autograd._push_saved_tensors_default_hooks(watch, unpack)
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            self._pop()
+            raise
 
-    def _watch(self, tensor: torch.Tensor) -> Any:
-        if tensor.numel():
-            self.saved.append((weakref.ref(tensor.untyped_storage()), tensor.shape))
-        return self.pack(tensor)
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> Any:
+    def _pop(self) -> None:
         if self.pack is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
-        result = self.inner.__exit__(exc_type, *exc)
+            self.pack = None
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> Any:
+        try:
+            result = self.inner.__exit__(exc_type, *exc)
+        finally:
+            self._pop()
         if exc_type is None:
             for ref, shape in self.saved:
                 storage = ref()
                 if storage is not None and storage.nbytes() == 0:
                     raise _freed(self.layer, self.index, shape)
-        self.saved = []
+        self.saved.clear()
         return result
+
+
+def _watch(saved: list[tuple[weakref.ref, torch.Size]], pack: Callable[[torch.Tensor], Any],
+           tensor: torch.Tensor) -> Any:
+    if tensor.numel():
+        saved.append((weakref.ref(tensor.untyped_storage()), tensor.shape))
+    return pack(tensor)
 
 
 def _freed(layer: str, index: int | None, shape: torch.Size) -> UnsupportedModelError:
