@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         UnsupportedModelError,
     )
     from .plan import LayerPlan, Plan
+    from .random_sources import RNGTracker, register_rng_tracker, unregister_rng_tracker
     from .swap import SwapStats
 
 # NOTE [Lazy package]: `import hyperac` imports no torch. Each public name is imported from its
@@ -43,6 +44,7 @@ _PUBLIC = {
     "errors": ("BackendUnavailableError", "ConfigError", "HyperACError", "HyperACWarning", "InputWrittenError",
                "RecomputeMismatchError", "TorchVersionError", "UnsupportedModelError"),
     "plan": ("LayerPlan", "Plan"),
+    "random_sources": ("RNGTracker", "register_rng_tracker", "unregister_rng_tracker"),
     "swap": ("SwapStats",),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
@@ -79,6 +81,7 @@ __all__ = [
     "InputWrittenError",
     "LayerPlan",
     "Plan",
+    "RNGTracker",
     "RecomputeMismatchError",
     "SwapStats",
     "TorchVersionError",
@@ -90,7 +93,9 @@ __all__ = [
     "get_backend",
     "register_adapter",
     "register_backend",
+    "register_rng_tracker",
     "remove",
     "swap_stats",
     "unregister_adapter",
+    "unregister_rng_tracker",
 ]

@@ -32,6 +32,7 @@ from .planner import (
 from .planner.auto import last_swap, link_bandwidth
 from .planner.compiled import compiled_auto_modes
 from .policy import OpSets, resolve_op_sets
+from .random_sources import check_trackers_registered
 from .recompute import (
     build_context_fn,
     install_exclusion,
@@ -105,7 +106,25 @@ def _check_model(model: Any) -> list[tuple[str, nn.Module]]:
             f"HF activation checkpointing is already on ({enabled}.gradient_checkpointing=True); call "
             "model.activation_checkpointing_disable() (or gradient_checkpointing_disable()) first."
         )
+    _refuse_stack_recompute(modules)
     return modules
+
+
+def _refuse_stack_recompute(modules: list[tuple[str, nn.Module]]) -> None:
+    """Refuse a model whose training stack recomputes already: a module's ``config.recompute_granularity``
+    is set (Megatron-Core's ``TransformerConfig``, as under MindSpeed and NeMo). Its blocks would
+    checkpoint inside hyperac's regions and run three times per step (issue 27: 1.64x the FLOPs of no
+    recompute against Megatron full's 1.32x); its flags are read when the modules are built, so hyperac
+    cannot turn them off afterwards."""
+    for name, module in modules:
+        granularity = getattr(getattr(module, "config", None), "recompute_granularity", None)
+        if isinstance(granularity, str):
+            raise UnsupportedModelError(
+                f"the model recomputes already: {name or type(module).__name__}.config.recompute_granularity="
+                f"{granularity!r}, so its layers would be recomputed twice. Build the model with "
+                "recompute_granularity=None (drop --recompute-granularity, --recompute-method, --recompute-num-layers "
+                "and --recompute-modules); hyperac's mode takes their place, e.g. mode='full' or mode='selective'."
+            )
 
 
 def _refuse_overlap(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
@@ -330,6 +349,8 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
         require_knapsack(variant_modes, config.compile)
         _compat.require_for(variant_modes, variant_swaps, config)
     every_mode = {mode for variant in variants for mode in variant[0]}
+    if every_mode & set(RECOMPUTE_MODES):
+        check_trackers_registered(bool(config.compile))
     ops = resolve_op_sets(chosen_backend, config.save_ops) if every_mode & set(SELECTIVE_MODES) else None
     eager_swap = any(any(variant[1]) for variant in variants) and not config.compile
     manager = SwapManager(chosen_backend, config.min_swap_bytes, _host_budget(config)) if eager_swap else None

@@ -66,9 +66,9 @@ every HOP too (they have rules for a few), and its policy decides each by the sa
 A kept HOP's outputs stay kept when the region's forward ends, as collectives' do: NOTE [Never keep
 more than off] in policy.py weighs kept outputs by whether autograd saved them, and the activations a
 HOP's own autograd saves (a compiled region's, returned by its forward) have no autograd node of the
-region to be told by. A kept HOP other than flex attention may have drawn random numbers (a compiled
-region with dropout): the replay sets the generators to where the forward left them (NOTE [Kept ops
-that draw random numbers] in policy.py).
+region to be told by. A kept HOP may have drawn random numbers (a compiled region with dropout): the
+replay sets the generators it moved to where the forward left them (NOTE [Kept ops that draw random
+numbers] in random_sources.py).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ import sys
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ATTENTION", "BODY", "KEEP", "ONCE", "REPLAY", "RULES", "may_draw_random", "ops_with_rule", "rule",
+__all__ = ["ATTENTION", "BODY", "KEEP", "ONCE", "REPLAY", "RULES", "ops_with_rule", "rule",
            "tensor_versions", "written_arguments", "wrote"]
 
 ATTENTION, KEEP, ONCE, REPLAY, BODY = "attention", "keep", "once", "replay", "body"
@@ -105,8 +105,6 @@ RULES: dict[str, str] = {
 }
 """The rule of each HOP torch 2.13 ships, by name (NOTE [Higher-order operators]); any other HOP is ``once``."""
 
-_PURE = frozenset({"flex_attention", "flex_attention_backward", "out_dtype"})
-"""Kept HOPs that draw no random numbers: their replay need not restore the generators."""
 
 KEYWORD_ONLY = sys.maxsize
 """The position :func:`written_arguments` gives an argument passed only by keyword."""
@@ -123,11 +121,6 @@ def rule(op: torch._ops.HigherOrderOperator) -> str:
 def ops_with_rule(*rules: str) -> frozenset:
     """The HOPs registered now whose rule is one of ``rules``."""
     return frozenset(op for name, op in torch._ops._higher_order_ops.items() if RULES.get(name, ONCE) in rules)
-
-
-def may_draw_random(op: torch._ops.HigherOrderOperator) -> bool:
-    """Whether a kept ``op`` may have advanced a generator (it carries no tags to say)."""
-    return op.name() not in _PURE
 
 
 def written_arguments(op: torch._ops.HigherOrderOperator) -> tuple[tuple[int, str], ...]:

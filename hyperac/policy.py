@@ -59,6 +59,7 @@ from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
 from .op_identity import communicates, key_length
+from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay_check import cast_of_a_leaf, divergence
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
@@ -407,38 +408,23 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _CONSUMED = object()
 
 
-RngStates = tuple[torch.Tensor, list[tuple[torch.device, torch.Tensor]]]
-
-
-def rng_states(*values: Any) -> RngStates:
-    """The CPU RNG state and that of every accelerator holding a tensor in ``values``."""
-    devices: list[torch.device] = []
-    for leaf in tree_leaves(values):
-        if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta") and leaf.device not in devices:
-            devices.append(leaf.device)
-    return torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices]
-
-
-def set_rng_states(states: RngStates) -> None:
-    """Undo the RNG draws made since :func:`rng_states` returned ``states``."""
-    cpu_state, device_states = states
-    torch.set_rng_state(cpu_state)
-    for device, state in device_states:
-        torch.get_device_module(device.type).set_rng_state(state, device)
-
-
 class _Kept:
     """The output of one op that the policy keeps: detached tensors and the versions they had, and
     the aliases of their storages whose version counters are their own
     (NOTE [Aliases with their own version counter])."""
 
-    __slots__ = ("aliases", "leaves", "rng", "spec", "versions")
+    __slots__ = ("aliases", "leaves", "rng", "spec", "versions", "written")
 
-    def __init__(self, leaves: list[Any], spec: Any, rng: RngStates | None) -> None:
+    def __init__(self, leaves: list[Any], spec: Any, rng: GeneratorStates | None,
+                 written: dict[int, int] | None = None) -> None:
         self.leaves = leaves
+        self.written = written or {}
+        """Output leaf position -> position among the op's argument leaves of the tensor it is (a
+        collective that writes into its arguments; NOTE [Collectives that write into their arguments])."""
         self.spec = spec
         self.versions = [leaf._version if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         self.rng = rng
+        """The generators the op moved, as it left them (NOTE [Kept ops that draw random numbers])."""
         self.aliases: list[tuple[int, torch.Tensor, int]] = []
         """``(leaf position, detached alias, its version)`` per alias met in the forward."""
 
@@ -454,8 +440,48 @@ class _Kept:
         self.leaves[position], self.versions[position] = copy, copy._version
         self.aliases = [entry for entry in self.aliases if entry[0] != position]
 
-    def value(self) -> Any:
-        return self.leaves[0] if self.spec is None else tree_unflatten(self.leaves, self.spec)
+    def value(self, arguments: Any = None) -> Any:
+        """The kept output; an op that wrote into its ``arguments`` (the replay's) writes the kept
+        values into them and returns them, as it did in forward."""
+        leaves = self.leaves
+        if self.written:
+            flat, leaves = tree_leaves(arguments), list(leaves)
+            for position, index in self.written.items():
+                with torch.autograd._unsafe_preserve_version_counter(flat[index]):  # as the collective's write
+                    flat[index].copy_(leaves[position])
+                leaves[position] = flat[index]
+        return leaves[0] if self.spec is None else tree_unflatten(leaves, self.spec)
+
+
+def _written_arguments(leaves: list[Any], arguments: Any) -> dict[int, int]:
+    """Output leaf position -> argument leaf position, for each output tensor that is one of the
+    arguments (a collective returning the tensor it wrote into)."""
+    flat = tree_leaves(arguments)
+    found = {}
+    for position, leaf in enumerate(leaves):
+        for index, argument in enumerate(flat):
+            if (isinstance(leaf, torch.Tensor) and isinstance(argument, torch.Tensor)
+                    and leaf.untyped_storage()._cdata == argument.untyped_storage()._cdata
+                    and leaf.data_ptr() == argument.data_ptr() and leaf.shape == argument.shape):
+                found[position] = index
+                break
+    return found
+
+
+# NOTE [Collectives that write into their arguments]
+# A collective writes into a tensor it is given and returns it: ``all_reduce`` into its input,
+# ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` into their output buffer (Megatron's
+# tensor- and sequence-parallel layers), without declaring the write in its schema. The selective
+# modes keep a collective's output and never run it again, but the replay's Python code reads the
+# tensor it passed in (``all_reduce(x); return x``), not what the op returned. So a kept collective
+# holds a copy of each output that is one of its arguments (the argument may be a buffer reused by
+# the next layer: Megatron's sequence-parallel all-gather writes into one global buffer), and its
+# replay writes that copy into the replay's argument and returns the argument, as the forward did
+# (the version counter left as it was: a collective's write does not bump it). The copy costs the
+# collective's output bytes, what keeping its output costs anyway. The op returns before the
+# collective is done (gloo runs it on a thread of its own, NCCL and HCCL on a stream of their own,
+# until ``work.wait()``), so the copy waits for it first: an asynchronous collective in a selective
+# region is complete when it returns, its overlap with the compute after it given up.
 
 
 class _Tape:
@@ -598,34 +624,37 @@ class _RecordingMode(_EagerMode):
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         versions = higher_order.tensor_versions(args, kwargs) if kind == _ONCE else None
+        keeps = kind >= _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()  # collectives, once-ops
+                                         and self.policy.keeps(kind, func, args))
+        generators = watch_generators(args, kwargs) if keeps else None  # NOTE [Kept ops that draw random numbers]
         out = func(*args, **kwargs)
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
-        keeps = kind >= _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()  # collectives, once-ops
-                                         and self.policy.keeps(kind, func, args))
         if keeps and versions is not None:  # one that wrote into its inputs is replayed (NOTE [Higher-order operators])
             keeps = not higher_order.wrote(versions)
-        self.tape.entries.append(self._keep(func, out) if keeps else None)
+        # NOTE [Collectives that write into their arguments]
+        arguments = (args, kwargs) if kind == _COLLECTIVE else None
+        self.tape.entries.append(self._keep(out, draws_since(generators), arguments) if keeps else None)
         if kind >= _COLLECTIVE or keyed:
             self.collectives.add(len(self.tape.entries) - 1)
         return out
 
-    def _keep(self, func: Any, out: Any) -> _Kept:
-        # NOTE [Kept ops that draw random numbers]: an attention kernel with dropout advances the
-        # RNG; the replay does not run it, so it sets the RNG to where the forward left it, and a
-        # dropout after it draws the forward's mask.
-        # A kept higher-order op has no tags; it may have drawn (NOTE [Higher-order operators]).
-        random = (higher_order.may_draw_random(func) if isinstance(func, torch._ops.HigherOrderOperator)
-                  else torch.Tag.nondeterministic_seeded in func.tags)
-        rng = rng_states(out) if random else None
+    def _keep(self, out: Any, rng: GeneratorStates | None, arguments: Any = None) -> _Kept:
         leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
+        written = {} if arguments is None else _written_arguments(leaves, arguments)
+        if written:  # wait for the write (NOTE [Collectives that write into their arguments])
+            for leaf in leaves:
+                if isinstance(leaf, torch.ScriptObject) and hasattr(leaf, "wait"):
+                    leaf.wait()
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
+                if position in written:  # NOTE [Collectives that write into their arguments]
+                    leaf = leaf.detach().clone()
                 if self.on_save is not None:
                     self.on_save(leaf)
                 leaves[position] = torch_recompute._detach_helper(leaf)
-        kept = _Kept(leaves, spec, rng)
+        kept = _Kept(leaves, spec, rng, written)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 self.kept_storages.setdefault(leaf.untyped_storage()._cdata, []).append((kept, position))
@@ -815,8 +844,8 @@ class _ReplayMode(_EagerMode):
         if kept is _CONSUMED or not kept.intact():
             return func(*args, **kwargs)
         if kept.rng is not None:
-            set_rng_states(kept.rng)  # NOTE [Kept ops that draw random numbers]
-        return kept.value()
+            restore_generators(kept.rng)  # NOTE [Kept ops that draw random numbers] in random_sources.py
+        return kept.value((args, kwargs))
 
 
 def selective_contexts(

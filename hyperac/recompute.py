@@ -52,17 +52,17 @@ from .backends import Backend
 from .buffers import BufferSnapshots, buffers_as_before
 from .config import KNAPSACK_MODES, SELECTIVE_MODES
 from .errors import InputWrittenError, UnsupportedModelError, warn_once
+from .freed_saves import FreedSaves
 from .policy import (
     OpSets,
     bypass_replay,
     compile_context_fn,
     forced_recompute,
     resolve_op_sets,
-    rng_states,
     selective_contexts,
-    set_rng_states,
 )
 from .python_state import PythonState
+from .random_sources import TrackerReplay, rng_states, set_rng_states
 from .replay_check import full_replay_contexts
 from .replay_context import ForwardContext
 from .state import AppliedState, Override
@@ -410,6 +410,8 @@ class RecomputedForward(Override):
         super().__init__(module, owner, fqn)
         self.swap = swap
         self.index = index
+        self.saves_checked = False
+        """Whether a forward of the region was watched for saved tensors it frees (done once)."""
         # Eager regions keep their buffer updates single (NOTE [Buffers in the replay] in buffers.py).
         compiled = context is not None and context.compile
         self.context = context if compiled else BufferSnapshots.wrap(module, context, fqn, index)
@@ -430,11 +432,17 @@ class RecomputedForward(Override):
     def run_eagerly(self, call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """The region, run eagerly, with its inputs watched (NOTE [Inputs written in place])."""
         region = _Region(call, kwargs, self)
-        return region.run_watched(functools.partial(self._start, region, kwargs), args, self.swap is not None)
+        output = region.run_watched(functools.partial(self._start, region, kwargs), args, self.swap is not None)
+        self.saves_checked = True
+        return output
 
     def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
         """What runs the region's forward on ``args``: the recompute, within the swap if any."""
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
+        if not torch.compiler.is_compiling():  # NOTE [RNG trackers] in random_sources.py
+            context_fn = TrackerReplay.wrap(context_fn)
+            if not self.saves_checked:  # NOTE [Saved tensors freed in forward] in freed_saves.py
+                context_fn = FreedSaves(context_fn, self.fqn, self.index)
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)
         if self.swap is not None:

@@ -443,3 +443,43 @@ def counting_pre_hook(counts: collections.Counter, key: Any) -> Callable[..., No
 
 def _count(table: int, key: Any, module: nn.Module, args: Any) -> None:
     _COUNTERS[table].update([key])
+
+
+class CpuRNGStatesTracker:
+    """A stand-in for DeepSpeed's ``CudaRNGStatesTracker`` (the same interface as DeepSpeed's and
+    Megatron-Core's: ``get_states``, ``set_states``, ``add``, ``fork``, ``reset``) that swaps its named
+    states into the CPU generator where DeepSpeed's swaps them into the CUDA one. What it cannot show
+    without a GPU: the device generator's swap itself, which torch's checkpoint and hyperac's watch
+    treat the same as the CPU one's."""
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def reset(self) -> None:
+        self.states_, self.seeds_ = {}, set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"seed {seed} or state {name!r} already exists")
+        self.seeds_.add(seed)
+        outside = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outside)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)

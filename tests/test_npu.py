@@ -240,12 +240,7 @@ def test_selective_keeps_npu_fused_attention(stand_in_npu, npu_ops, variant, bac
     assert runs == [{variant: runs_per_layer * len(model.blocks)}] * 2
 
 
-@pytest.mark.parametrize("variant", [
-    "npu_fusion_attention", "npu_fusion_attention_v2",
-    pytest.param("npu_fusion_attention_v3", marks=pytest.mark.xfail(strict=True, reason=(
-        "v3 carries no nondeterministic_seeded tag; a kept op that advanced the generator must be found by "
-        "observation (design.md invariant 15, the policy's part of issue 25): drop this mark when that lands"))),
-])
+@pytest.mark.parametrize("variant", ["npu_fusion_attention", "npu_fusion_attention_v2", "npu_fusion_attention_v3"])
 @pytest.mark.parametrize("mode", ["selective", "pointwise"])
 def test_kept_npu_attention_with_dropout_and_a_dropout_after_it(stand_in_npu, npu_ops, variant, mode):
     """The fused attentions draw their dropout seed from the generator (v1 and v2 say so with the
