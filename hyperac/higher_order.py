@@ -69,16 +69,45 @@ HOP's own autograd saves (a compiled region's, returned by its forward) have no 
 region to be told by. A kept HOP may have drawn random numbers (a compiled region with dropout): the
 replay sets the generators it moved to where the forward left them (NOTE [Kept ops that draw random
 numbers] in random_sources.py).
+
+NOTE [Traces inside a region]
+Eager ``flex_attention`` (torch runs it through ``torch.compile(backend="eager")``) traces its score
+function's joint forward-backward graph with ``make_fx`` on fake tensors, inside the layer's forward,
+and that trace runs a backward of its own (``create_fw_bw_graph``). The fake tensors its ops save for
+that backward meet whatever saved-tensor hooks are in effect. ``make_fx`` knows a tensor by identity,
+and a hook gives back another one: ``torch.utils.checkpoint`` takes each fake for an activation, and
+when the trace's backward unpacks it, recomputes the region in the middle of its forward and hands
+back the fake of that other run; swap's hooks give back a detached alias. Either way the traced joint
+graph holds an unknown tensor as a constant (uninitialized memory when it runs), and the score
+function's gradients come out wrong with no error: a captured bias's (measured: off by 1e17 to 1e30),
+and q/k/v's where the score function's own ops save tensors (Gemma 2's ``tanh`` soft-capping). q/k/v
+are exact with a score function that saves nothing, which hid the bug. The selective modes saw the
+nested recompute and raised ``RecomputeMismatchError``. Plain ``torch.utils.checkpoint`` has the same
+bug; compiled flex attention traces at compile time, outside any region, and never had it.
+A fake tensor holds no data and is no activation, so inside a recomputed region and a swap group
+(:class:`FakeTensorsKept`, entered innermost) every fake tensor saved stays out of the region's hooks,
+and every real tensor goes to them as before: the forward and the recompute save the same real
+tensors, in the same order, and the trace's backward reads its own tensors. A fake is kept as an
+alias made by ``detach`` under the tracer's modes (so ``make_fx`` records it), not as itself: a fake
+an op saves of its own output (``tanh``'s) would otherwise close a cycle fake -> grad_fn -> saved ->
+fake that the garbage collector cannot see through (NOTE [Saved tensors under hooks] in swap.py), and
+each step would leak the trace's graph and, through the hooks it holds, the region's checkpoint frame
+or swap group (measured: two per step).
+The rule is by tensor, not by op: any op whose eager autograd traces with fake tensors inside the
+region is covered. hyperac's profiler already passes fake tensors through (``planner/profile.py``).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ATTENTION", "BODY", "KEEP", "ONCE", "REPLAY", "RULES", "ops_with_rule", "rule",
+__all__ = ["ATTENTION", "BODY", "KEEP", "ONCE", "REPLAY", "RULES", "FakeTensorsKept", "ops_with_rule", "rule",
            "tensor_versions", "written_arguments", "wrote"]
 
 ATTENTION, KEEP, ONCE, REPLAY, BODY = "attention", "keep", "once", "replay", "body"
@@ -138,3 +167,44 @@ def wrote(versions: list[tuple[torch.Tensor, int]]) -> bool:
     """Whether a tensor of ``versions`` (:func:`tensor_versions`) was written since."""
     return any(tensor._version != version for tensor, version in versions)
 
+
+
+class FakeTensorsKept:
+    """While entered, keep the fake tensors saved for backward (a detached alias), and pass every other
+    saved tensor to the saved-tensor hooks in effect on entry (NOTE [Traces inside a region]); with no
+    hooks in effect, nothing changes. The unpack hook, which autograd holds as long as the saved
+    tensor, holds only the outer unpack hook, not the outer pack hook's owner (a swap group)."""
+
+    def __init__(self) -> None:
+        self.pushed = False
+
+    def __enter__(self) -> None:
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if outer is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(_pack_hook(outer[0]), _unpack_hook(outer[1]))
+            self.pushed = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.pushed = False
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types that are never fake: most saved tensors, told apart without ``is_fake``'s checks."""
+
+
+def _pack_hook(pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], tuple[bool, Any]]:
+    def hook(tensor: torch.Tensor) -> tuple[bool, Any]:
+        fake = type(tensor) not in _PLAIN and is_fake(tensor)
+        return (True, tensor.detach()) if fake else (False, pack(tensor))
+
+    return hook
+
+
+def _unpack_hook(unpack: Callable[[Any], torch.Tensor]) -> Callable[[tuple[bool, Any]], torch.Tensor]:
+    def hook(saved: tuple[bool, Any]) -> torch.Tensor:
+        fake, value = saved
+        return value if fake else unpack(value)
+
+    return hook

@@ -53,6 +53,7 @@ from .buffers import BufferSnapshots, buffers_as_before
 from .config import KNAPSACK_MODES, SELECTIVE_MODES
 from .errors import InputWrittenError, UnsupportedModelError, warn_once
 from .freed_saves import FreedSaves
+from .higher_order import FakeTensorsKept
 from .policy import (
     OpSets,
     bypass_replay,
@@ -384,7 +385,8 @@ class _Region:
             return self.call(*args, **self.kwargs)
         if not self.forward_done:
             self.forward_done = True
-            return self.call(*(args if self.given is None else self.given), **self.kwargs)
+            with FakeTensorsKept():  # NOTE [Traces inside a region] in higher_order.py
+                return self.call(*(args if self.given is None else self.given), **self.kwargs)
         if self.watched:
             self._check_inputs("after the layer returned")
         replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.override.fqn) for cache in self.caches}}
@@ -395,6 +397,7 @@ class _Region:
                     stack.enter_context(context)
             finally:
                 bypass_replay.reset(token)
+            stack.enter_context(FakeTensorsKept())
             return self.call(*args, **replay_kwargs)
 
 

@@ -80,6 +80,7 @@ from torch.utils._pytree import tree_flatten
 from ._compat import storage_use_count
 from .backends import Backend
 from .errors import ConfigError, warn_once
+from .higher_order import FakeTensorsKept
 
 __all__ = ["LayerSwap", "SwapManager", "SwapStats", "container_memory_limit", "current_group", "default_host_budget",
            "host_buffer_bytes", "live_group_count", "swap_ineligible"]
@@ -699,7 +700,7 @@ class SwapManager:
         hooks = (torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack) if saved_tensors
                  else contextlib.nullcontext())
         try:
-            with hooks:
+            with hooks, FakeTensorsKept():  # NOTE [Traces inside a region] in higher_order.py
                 output = call()
         except BaseException:
             # This forward is abandoned: the next layer invocation starts a new chain, so no later

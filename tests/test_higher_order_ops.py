@@ -5,10 +5,9 @@ with the gradients of the un-applied model, bitwise, and runs a kept op once per
 here: torch 2.13 refuses flex attention's backward on CPU in ``flex_attention()`` itself
 (``_validate_device``) though its higher-order op trains on CPU, so these tests lift that one check;
 Inductor's CPU flex attention compiles the forward only (its backward fails in lowering), so the
-compiled flex attention here is ``aot_eager``'s, which runs the same higher-order op. Eager (not
-compiled) flex attention does not recompute faithfully under ``torch.utils.checkpoint`` in torch 2.13
-(its autograd re-traces the score function in backward, in another op order, and plain ``checkpoint``
-gives wrong gradients), so it is not run in the recompute modes. ``inductor_compiled_code`` is made by
+compiled flex attention here is ``aot_eager``'s, which runs the same higher-order op; eager (not
+compiled) flex attention is trained in every mode too (NOTE [Traces inside a region] in
+hyperac/higher_order.py). ``inductor_compiled_code`` is made by
 Inductor (C++, tens of seconds here) only with ``HYPERAC_TEST_INDUCTOR=1``; the default suite calls
 the same higher-order op on a Python callable, as Inductor's output code calls it on its kernels.
 """
@@ -16,6 +15,7 @@ the same higher-order op on a Python callable, as Inductor's output code calls i
 from __future__ import annotations
 
 import copy
+import gc
 import os
 
 import pytest
@@ -31,6 +31,7 @@ from hyperac import higher_order
 from hyperac.backends import resolve_ops
 from hyperac.backends.cpu import CpuBackend
 from hyperac.policy import resolve_op_sets
+from hyperac.swap import live_group_count
 
 MODES = ["off", "full", "selective", "selective-even", "pointwise", "swap", "auto"]
 WIDTH, HEADS, SEQ = 16, 2, 16
@@ -147,10 +148,16 @@ def flex_model(flex):
 def test_compiled_flex_attention_in_every_mode(flex_model, mode):
     """Bitwise gradients in every mode; flex attention is kept (attention costs more per byte than the
     projections at this length) so it runs once per layer per step, except in full recompute."""
+    assert_flex_attention_exact(flex_model, mode)
+
+
+def assert_flex_attention_exact(base: nn.Module, mode: str) -> None:
+    """``base`` applied with ``mode`` has its gradients, bitwise; flex attention runs once per layer per
+    step (it is kept), twice in full recompute."""
     hop = torch.ops.higher_order.flex_attention
-    reference, reference_runs = step(flex_model, hop)
+    reference, reference_runs = step(base, hop)
     assert reference_runs == 2
-    model = applied(flex_model, mode)
+    model = applied(base, mode)
     result, runs = step(model, hop)
     assert_parity(reference, result)
     assert runs == kept_runs(model) == (4 if mode == "full" else runs), runs
@@ -194,6 +201,45 @@ def test_flex_attention_in_compiled_layers(flex_model):
     result, runs = step(model, hop)
     assert_parity(reference, result)
     assert runs == 2, runs
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """Eager ``flex_attention`` (torch runs it through ``torch.compile(backend="eager")``, tracing the score
+    function's joint graph with fake tensors in the layer's forward), its CPU backward check lifted."""
+    from torch.nn.attention import flex_attention as module
+
+    monkeypatch.setattr(module, "_validate_device", lambda *tensors: None)
+    monkeypatch.setattr(FlexBlock, "function", module.flex_attention)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class SoftCappedFlexBlock(FlexBlock):
+    """Gemma 2's attention-logit soft-capping over the head bias: a score function whose own ops save
+    tensors (``tanh``), so flex attention's trace of its joint graph runs a backward that reads them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
+        bias = self.head_bias
+
+        def soft_cap(score, b, h, q_index, kv_index):
+            return 2.0 * torch.tanh((score + bias[h]) / 2.0)
+
+        y = FlexBlock.function(q, k, v, score_mod=soft_cap)
+        return x + self.out(y.transpose(1, 2).reshape(batch, length, WIDTH))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block", [FlexBlock, SoftCappedFlexBlock], ids=["captured-bias", "soft-cap"])
+def test_eager_flex_attention_in_every_mode(eager_flex, mode, block):
+    """Eager flex attention traces its score function with fake tensors inside the layer's forward; the
+    saved fake tensors stay out of the region's hooks (NOTE [Traces inside a region]), so the gradients of
+    the captured bias and of q/k/v through the soft-cap are the un-applied model's, bitwise, and flex
+    attention runs once per layer per step (twice in full recompute)."""
+    assert_flex_attention_exact(Stack(block), mode)
 
 
 # --- a compiled region called from an eager layer ---
@@ -289,16 +335,23 @@ def test_inductor_region_inside_a_layer(mode):
 
 
 @pytest.mark.parametrize("options", [dict(mode="auto", budget=0.9, sample=loss_fn),
-                                     dict(mode="selective", swap_selective_outputs=True, min_swap_bytes=0)],
-                         ids=["auto", "swapped-selective"])
-@pytest.mark.parametrize("block", ["flex", "region"])
+                                     dict(mode="selective", swap_selective_outputs=True, min_swap_bytes=0),
+                                     dict(mode="swap", min_swap_bytes=0),
+                                     dict(mode="full", swap_inputs=True, min_swap_bytes=0)],
+                         ids=["auto", "swapped-selective", "swap", "full-swapped-inputs"])
+@pytest.mark.parametrize("block", ["flex", "eager-flex", "region"])
 def test_higher_order_ops_on_the_sim_backend(request, block, options):
     """On the simulated accelerator: auto profiles under the sim's compute mode, and the kept outputs
-    of a higher-order op go to host memory and back; gradients exact, the op not run again."""
+    of a higher-order op, or what a layer saves, go to host memory and back; gradients exact, the op not
+    run again. Eager flex attention's trace keeps its fake tensors out of swap's hooks too (NOTE [Traces
+    inside a region])."""
     from hyperac.backends.sim import SimBackend
 
     if block == "flex":
         model, hop = request.getfixturevalue("flex_model"), torch.ops.higher_order.flex_attention
+    elif block == "eager-flex":
+        request.getfixturevalue("eager_flex")
+        model, hop = Stack(SoftCappedFlexBlock), torch.ops.higher_order.flex_attention
     else:
         model, hop = Stack(RegionBlock), inductor_compiled_code
     reference, _ = step(model, hop)
@@ -307,8 +360,21 @@ def test_higher_order_ops_on_the_sim_backend(request, block, options):
     result, runs = step(model, hop)
     assert_parity(reference, result)
     assert runs == kept_runs(model), runs
-    if "swap_selective_outputs" in options:
+    if options["mode"] != "auto":
         assert hyperac.swap_stats(model).offloaded_bytes > 0
+    del model
+    gc.collect()
+    assert live_group_count() == 0, "a swap group outlived its model"
+
+
+def test_eager_flex_attention_frees_its_trace(eager_flex):
+    """The fake tensors eager flex attention's trace saves close no cycle through the region's hooks
+    (``tanh`` saves its own output; NOTE [Traces inside a region]): no checkpoint frame outlives its step."""
+    model = applied(Stack(SoftCappedFlexBlock), "full")
+    for _ in range(3):
+        step(model, torch.ops.higher_order.flex_attention)
+    gc.collect()
+    assert not [frame for frame in gc.get_objects() if type(frame).__name__ == "_CheckpointFrame"]
 
 
 # --- control flow ---
