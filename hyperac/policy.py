@@ -633,7 +633,7 @@ class _RecordingMode(_EagerMode):
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
         if keeps and versions is not None:  # one that wrote into its inputs is replayed (NOTE [Higher-order operators])
             keeps = not higher_order.wrote(versions)
-        # NOTE [Collectives that write into their arguments]
+        # a collective keeps its arguments, for what it wrote (NOTE [Collectives that write into their arguments])
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
         self.tape.entries.append(self._keep(out, draws_since(generators), arguments) if keeps else None)
         if kind >= _COLLECTIVE or keyed:
