@@ -590,7 +590,7 @@ class _RecordingMode(_EagerMode):
         """Called with each alias held to watch writes into a kept storage (an expected holder of it)."""
         self.kept_storages: dict[int, list[tuple[_Kept, int]]] = {}
         self.saves: _AutogradSaves | None = None
-        self.collectives: set[int] = set()
+        self.never_pruned: set[int] = set()
         """Tape positions of kept collective and higher-order op outputs, which :meth:`_AutogradSaves.prune`
         leaves kept (NOTE [Higher-order operators])."""
 
@@ -612,7 +612,7 @@ class _RecordingMode(_EagerMode):
             if self.saves is not None:
                 self.saves.close()
                 if exc_type is None:
-                    self.saves.prune(self.tape, self.collectives)
+                    self.saves.prune(self.tape, self.never_pruned)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -637,7 +637,7 @@ class _RecordingMode(_EagerMode):
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
         self.tape.entries.append(self._keep(out, draws_since(generators), arguments) if keeps else None)
         if kind >= _COLLECTIVE or keyed:
-            self.collectives.add(len(self.tape.entries) - 1)
+            self.never_pruned.add(len(self.tape.entries) - 1)
         return out
 
     def _keep(self, out: Any, rng: GeneratorStates | None, arguments: Any = None) -> _Kept:
@@ -728,17 +728,17 @@ class _AutogradSaves:
     def close(self) -> None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
 
-    def prune(self, tape: _Tape, collectives: set[int]) -> None:
+    def prune(self, tape: _Tape, never_pruned: set[int]) -> None:
         """Once the region's forward is done: forget the kept outputs autograd did not save, where
         they cost more than what the un-applied layer would keep and the region freed (NOTE [Never
-        keep more than off]). Collectives (tape positions ``collectives``) stay kept: they are never
-        replayed."""
+        keep more than off]). Collectives and higher-order ops (tape positions ``never_pruned``) stay
+        kept: collectives are never replayed, and a compiled region's saves have no autograd node here."""
         kept = {id(s): s for entry in tape.entries if isinstance(entry, _Kept) for s in _storages(entry)}
         unsaved = sum(s.nbytes() for s in kept.values() if not self._has(s))
         if unsaved <= sum(nbytes for ref, nbytes in self.sizes if ref() is None):
             return
         for position, entry in enumerate(tape.entries):
-            if (isinstance(entry, _Kept) and position not in collectives
+            if (isinstance(entry, _Kept) and position not in never_pruned
                     and not any(self._has(s) for s in _storages(entry))):
                 tape.entries[position] = None
 
