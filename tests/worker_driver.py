@@ -69,5 +69,6 @@ def main(cases: Sequence[Any], run_groups: Callable[[list[str]], dict[str, Any]]
             with open(output + ".tmp", "w") as handle:
                 json.dump(results, handle, indent=1, sort_keys=True)
             os.replace(output + ".tmp", output)
+        dist.barrier()  # no rank tears gloo down while another still uses it (a rank aborted at exit under load)
     finally:
         dist.destroy_process_group()
