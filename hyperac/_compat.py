@@ -318,6 +318,37 @@ def _probe_saved_tensor_hook_stack() -> str | None:
     return None
 
 
+class _ReadTwice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * ctx.saved_tensors[0] + grad * ctx.saved_tensors[0]
+
+
+def _read_twice_in_a_region(frames: list[Any], x: torch.Tensor) -> torch.Tensor:
+    from .reread import Reread, checkpoint_frame
+
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    frames.append(None if hooks is None else checkpoint_frame(hooks[1]))
+    with Reread():
+        return _ReadTwice.apply(x.exp())
+
+
+def _probe_checkpoint_frame() -> str | None:
+    frames: list[Any] = []
+    x = torch.full((2,), 0.5, requires_grad=True)
+    torch_recompute.checkpoint(_read_twice_in_a_region, frames, x, use_reentrant=False).sum().backward()
+    if frames[0] is None:
+        return "the closure of checkpoint's unpack hook holds no _CheckpointFrame"
+    if not torch.equal(x.grad, 2 * x.detach().exp() ** 2):
+        return "a region read twice in one backward gave another gradient"
+    return None
+
+
 def _probe_local_scalar_dense_on_meta() -> str | None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -360,6 +391,9 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
         "replay_context.py (a replay under the forward's SDPA kernels)", _probe_sdpa_backends),
     "torch._C._autograd saved-tensors hook stack (_top/_push/_pop), _get_sequence_nr, Node._sequence_nr": (
         "replay_check.py (full-mode replay fingerprint)", _probe_saved_tensor_hook_stack),
+    "torch.utils.checkpoint: the frame in the unpack hook's closure, _CheckpointFrame's per-backward state, "
+    "_Holder.handles, GraphExecGroup": (
+        "reread.py (a saved tensor read twice in one backward)", _probe_checkpoint_frame),
     "aten::_local_scalar_dense on meta (answered by a dispatch mode)": (
         "planner/profile.py (.item() of a meta model's tensors)", _probe_local_scalar_dense_on_meta),
 }

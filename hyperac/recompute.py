@@ -66,6 +66,7 @@ from .python_state import PythonState
 from .random_sources import TrackerReplay, rng_states, set_rng_states
 from .replay_check import full_replay_contexts
 from .replay_context import ForwardContext
+from .reread import Reread
 from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 
@@ -385,7 +386,9 @@ class _Region:
             return self.call(*args, **self.kwargs)
         if not self.forward_done:
             self.forward_done = True
-            with FakeTensorsKept():  # NOTE [Traces inside a region] in higher_order.py
+            # NOTE [A saved tensor read twice in one backward] in reread.py; NOTE [Traces inside a region] in
+            # higher_order.py
+            with Reread(), FakeTensorsKept():
                 return self.call(*(args if self.given is None else self.given), **self.kwargs)
         if self.watched:
             self._check_inputs("after the layer returned")

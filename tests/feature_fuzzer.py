@@ -19,8 +19,9 @@ each drawn feature:
 * ``nested_checkpoint``: the user's own ``torch.utils.checkpoint`` around part of the layer;
 * ``data_branch``: a branch on the values of the input;
 * ``float64``: part of the layer in float64, cast back;
-* ``view_write``: a write into an intermediate through a transposed view (with the ``create_graph``
-  backward, a gradient penalty through it);
+* ``view_write``: an in-place op that saves its output (``sigmoid_``) on a transposed view of an
+  intermediate (with the ``create_graph`` backward, a gradient penalty through it, whose second backward
+  reads that saved output twice);
 
 and returns a tensor, a tuple, a dict or a ``transformers`` ``ModelOutput``. The model may call a layer
 more than once per forward (ALBERT), runs under ``parametrize.cached()`` or not, and may accumulate its
@@ -100,7 +101,7 @@ class FeatureBlock(nn.Module):
             h = self.second(h)
         if "view_write" in self.features:
             h = h * 2
-            h.transpose(1, 2)[:, 0].zero_()
+            h.transpose(1, 2)[:, 0].sigmoid_()
         if "borrowed_norm" in self.features and norm is not None:
             h = norm(h.reshape(-1, D)).view(h.shape)
         if self.held:

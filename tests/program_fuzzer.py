@@ -5,8 +5,10 @@ is the layer's input), what the layer returns, and what the caller writes into t
 :class:`ProgramStack` interprets it; hypothesis draws and shrinks it (``programs()``). The ops cover
 what went wrong before (issue 16): 2-d and 3-d matmuls (``mm`` then ``_unsafe_view``), attention (by
 hand with ``bmm`` and ``F.scaled_dot_product_attention``, with dropout), in-place writes through
-views, buffers read, updated in place, rebound and shared between layers, BatchNorm statistics,
-dropout, ``no_grad`` islands, tuple and dict returns, and writes by the caller after a layer returned.
+views (some saving their output, which a ``create_graph`` backward reads twice), an autograd Function
+reading its saved tensors twice, buffers read, updated in place, rebound and shared between layers,
+BatchNorm statistics, dropout, ``no_grad`` islands, tuple and dict returns, and writes by the caller
+after a layer returned.
 
 :func:`outcome` trains a copy of the program un-applied and one applied in a mode for two SGD steps
 (with a plain, a ``retain_graph`` or a ``create_graph`` backward) and compares losses, gradients,
@@ -35,15 +37,32 @@ BACKWARDS = ("plain", "retain_graph", "create_graph")
 DOCUMENTED_ERRORS = (hyperac.InputWrittenError, hyperac.RecomputeMismatchError)
 """What a program may raise applied where it runs un-applied (README, "Buffers and in-place writes")."""
 
-UNARY = ("tanh", "sigmoid", "exp_tanh", "relu", "square")
+UNARY = ("tanh", "sigmoid", "exp_tanh", "relu", "square", "reread_square")
 BINARY = ("add", "mul", "sub")
-VIEW_WRITES = ("slice_mul", "unsqueeze_squeeze_sub", "strided_add", "transpose_zero")
+VIEW_WRITES = ("slice_mul", "unsqueeze_squeeze_sub", "strided_add", "transpose_zero", "slice_relu", "transpose_sigmoid")
 BUFFER_UPDATES = ("in_place", "rebind", "counter")
 CALLER_WRITES = ("none", "mul", "residual", "view_sub", "aux_mul")
 RETURNS = ("tensor", "tuple", "dict")
 
 
+class _RereadSquare(torch.autograd.Function):
+    """``x * x`` whose backward reads ``ctx.saved_tensors`` twice (autograd allows it; checkpoint alone
+    does not)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * x + grad * ctx.saved_tensors[0]
+
+
 def _unary(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "reread_square":
+        return _RereadSquare.apply(x) * 0.1
     if name == "exp_tanh":
         return x.tanh().exp()
     if name == "square":
@@ -62,6 +81,10 @@ def _write_through_view(kind: str, target: torch.Tensor, value: torch.Tensor) ->
         target.unsqueeze(0).squeeze(0).sub_(0.1)
     elif kind == "strided_add":
         target.view(-1)[::2].add_(value.reshape(-1)[::2])
+    elif kind == "slice_relu":  # in-place ops that save their output: a second backward reads it twice
+        torch.relu_(target[..., :4])
+    elif kind == "transpose_sigmoid":
+        target.transpose(1, 2)[:, 0].sigmoid_()
     else:
         target.transpose(1, 2)[:, 0].zero_()
 

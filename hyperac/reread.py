@@ -1,0 +1,105 @@
+"""Serve a recomputed region's saved tensor to a second read in the same backward by replaying again.
+
+NOTE [A saved tensor read twice in one backward]
+Non-reentrant ``torch.utils.checkpoint`` hands each saved tensor's replayed value to the first read in a
+backward and then drops it, so that the replayed activations live only until their node has run. A
+second read of the same saved tensor in the same backward raises torch's "Unpack is being triggered
+for a tensor that was already unpacked once" (pytorch/pytorch#82156). Without recompute autograd
+allows it, and valid programs do it:
+
+* a gradient penalty (``autograd.grad(..., create_graph=True)``, then a backward through the
+  gradients) over an in-place op that saves its output (``sigmoid_``, ``exp_``, ``tanh_``,
+  ``relu_``: ``nn.ReLU(inplace=True)``) applied to a view (``y.t()[0]``, a slice, a ``chunk``).
+  Autograd saves such an output with a weak reference to the view's node; the view is gone after
+  forward, so the gradient made with ``create_graph`` hangs off the in-place op's node itself, and the
+  second backward runs that node twice: once inside its ``CopySlices`` and once on its own, each time
+  reading the saved output. The un-applied model's gradients are those of that graph, and so are
+  hyperac's;
+* an ``autograd.Function`` whose backward reads ``ctx.saved_tensors`` twice.
+
+So each recomputed region's forward puts a hook in front of checkpoint's unpack hook (``Reread``,
+entered innermost but for the fake tensors' hook): when a saved tensor is read again in a backward
+that already took its value, the region's replay for that backward is forgotten, and checkpoint
+replays the region again, handing out the same values (the replay starts from the same RNG, Python
+and buffer states and is checked against the forward like any other). The price, paid only by a
+region that is read twice, is one more replay of it in that backward; the saved tensors whose nodes
+have already run are released with their nodes and are not kept by the second replay. The check is a
+dictionary lookup per read. Checkpoint's frame is reached through its unpack hook's closure (NOTE
+[Every private torch piece] in _compat.py); where a torch release changes that, the hook is not put in
+front and the second read raises torch's error, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import checkpoint as torch_recompute
+
+__all__ = ["Reread", "checkpoint_frame"]
+
+
+class Reread:
+    """While entered inside a ``torch.utils.checkpoint`` region, a tensor saved for backward can be read
+    more than once per backward (NOTE [A saved tensor read twice in one backward]); elsewhere, nothing
+    changes. The unpack hook autograd keeps holds checkpoint's unpack hook and its frame, nothing else."""
+
+    def __init__(self) -> None:
+        self.pushed = False
+
+    def __enter__(self) -> None:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        frame = None if hooks is None else checkpoint_frame(hooks[1])
+        if frame is not None:
+            pack, unpack = hooks
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, functools.partial(_read, frame, unpack))
+            self.pushed = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.pushed = False
+
+
+def checkpoint_frame(unpack: Callable[[Any], torch.Tensor]) -> Any:
+    """The ``_CheckpointFrame`` whose saved tensors ``unpack`` (checkpoint's unpack hook) reads, or None
+    if ``unpack`` is no such hook."""
+    code = getattr(unpack, "__code__", None)
+    names = () if code is None else code.co_freevars
+    if "frame" not in names:
+        return None
+    frame = unpack.__closure__[names.index("frame")].cell_contents  # type: ignore[attr-defined]
+    return frame if isinstance(frame, torch_recompute._CheckpointFrame) else None
+
+
+def _read(frame: Any, unpack: Callable[[Any], torch.Tensor], holder: Any) -> torch.Tensor:
+    backward = _current_backward()
+    if backward is not None and holder.handles.get(backward, _UNREAD) is None:  # this backward read it already
+        _forget_replay(frame, backward)
+    return unpack(holder)
+
+
+_UNREAD = object()
+
+
+def _current_backward() -> Any:
+    """The key checkpoint files this backward's replay under, or None outside a backward (where
+    checkpoint takes a fresh key per read)."""
+    group = torch_recompute.GraphExecGroup._get_current_group()
+    if group is not None:
+        return group
+    task = torch._C._current_graph_task_id()
+    return None if task == -1 else task
+
+
+def _forget_replay(frame: Any, backward: Any) -> None:
+    """Make checkpoint replay ``frame``'s region again for ``backward`` on the next read."""
+    frame.is_recomputed[backward] = False
+    frame.recomp_counter[backward] = 0
+    frame.recomputed.pop(backward, None)
+    for ref in frame.weak_holders:
+        holder = ref()
+        if holder is not None:
+            holder.handles.pop(backward, None)
