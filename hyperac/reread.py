@@ -22,9 +22,11 @@ entered innermost but for the fake tensors' hook): when a saved tensor is read a
 that already took its value, the region's replay for that backward is forgotten, and checkpoint
 replays the region again, handing out the same values (the replay starts from the same RNG, Python
 and buffer states and is checked against the forward like any other). The price, paid only by a
-region that is read twice, is one more replay of it in that backward; the saved tensors whose nodes
-have already run are released with their nodes and are not kept by the second replay. The check is a
-dictionary lookup per read. Checkpoint's frame is reached through its unpack hook's closure (NOTE
+region that is read twice, is one more replay of it in that backward. The second replay's values for
+saved tensors that backward had read already (those a ``retain_graph`` or ``create_graph`` backward still
+holds; the others were released with their nodes) are let go once the node that read twice has run, which
+may read them again (``ctx.saved_tensors`` reads them all): no replayed value outlives its backward. The
+check is a dictionary lookup per read. Checkpoint's frame is reached through its unpack hook's closure (NOTE
 [Every private torch piece] in _compat.py); where a torch release changes that, the hook is not put in
 front and the second read raises torch's error, as before.
 """
@@ -76,9 +78,29 @@ def checkpoint_frame(unpack: Callable[[Any], torch.Tensor]) -> Any:
 
 def _read(frame: Any, unpack: Callable[[Any], torch.Tensor], holder: Any) -> torch.Tensor:
     backward = _current_backward()
-    if backward is not None and holder.handles.get(backward, _UNREAD) is None:  # this backward read it already
-        _forget_replay(frame, backward)
-    return unpack(holder)
+    if backward is None or holder.handles.get(backward, _UNREAD) is not None:  # not read in this backward yet
+        return unpack(holder)
+    read = _forget_replay(frame, backward)
+    value = unpack(holder)
+    node = torch._C._current_autograd_node()
+    if node is None:
+        _let_go(read, backward)
+    else:  # the node may read them again (ctx.saved_tensors reads all): let go once it has run
+        handle: list[Any] = []
+        handle.append(node.register_hook(functools.partial(_let_go_after_node, read, backward, handle)))
+    return value
+
+
+def _let_go(read: list[Any], backward: Any) -> None:
+    """Drop the second replay's values of the saved tensors in ``read`` not read again in ``backward``."""
+    for holder in read:
+        if backward in holder.handles:
+            holder.handles[backward] = None
+
+
+def _let_go_after_node(read: list[Any], backward: Any, handle: list[Any], *grads: Any) -> None:
+    _let_go(read, backward)
+    handle[0].remove()
 
 
 _UNREAD = object()
@@ -94,12 +116,16 @@ def _current_backward() -> Any:
     return None if task == -1 else task
 
 
-def _forget_replay(frame: Any, backward: Any) -> None:
-    """Make checkpoint replay ``frame``'s region again for ``backward`` on the next read."""
+def _forget_replay(frame: Any, backward: Any) -> list[Any]:
+    """Make checkpoint replay ``frame``'s region again for ``backward`` on the next read; returns the
+    live saved tensors' holders that ``backward`` has read already."""
     frame.is_recomputed[backward] = False
     frame.recomp_counter[backward] = 0
     frame.recomputed.pop(backward, None)
+    read = []
     for ref in frame.weak_holders:
         holder = ref()
         if holder is not None:
-            holder.handles.pop(backward, None)
+            if holder.handles.pop(backward, _UNREAD) is None:
+                read.append(holder)
+    return read

@@ -10,6 +10,7 @@ hyperac error that names the layer and the fix.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 
 import pytest
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from program_fuzzer import differences, train
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils import checkpoint as torch_recompute
 from torch.utils.flop_counter import FlopCounterMode
 
 import hyperac
@@ -410,6 +412,28 @@ def test_a_second_read_costs_one_more_replay_of_that_layer_only():
     replay_both = _backward_flops((1, 1), True) - _backward_flops((1, 1), False)
     assert replay_both > 0
     assert _backward_flops((2, 1), True) - _backward_flops((2, 1), False) == 3 * replay_both // 2
+
+
+def _replayed_bytes_held(frames: list) -> int:
+    return sum(value.nbytes for frame in frames for values in frame.recomputed.values() for value in values.values())
+
+
+@pytest.mark.parametrize("reads", [1, 2])
+def test_a_second_read_holds_no_replayed_value_after_its_backward(reads):
+    """A ``retain_graph`` backward keeps every saved tensor alive; the values of the second replay
+    that the backward read already are let go, so no replayed value outlives the backward."""
+    def frames() -> list:
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch_recompute._CheckpointFrame)]
+
+    before = frames()  # held, so that no new frame takes an old one's id
+    torch.manual_seed(0)
+    model = Stack([Rereading(reads), Rereading(1)])
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    loss = _input(model)
+    loss.backward(retain_graph=True)  # the graph, and so each saved tensor, lives as long as loss
+    new = [frame for frame in frames() if not any(frame is old for old in before)]
+    assert len(new) == 2
+    assert _replayed_bytes_held(new) == 0
 
 
 def test_the_readme_stateful_forward_is_exact_in_full():
