@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ._compat import SAC_CHECKPOINT_KWARGS
 from .errors import UnsupportedModelError
 
 __all__ = ["FreedSaves"]
@@ -43,6 +44,10 @@ class FreedSaves:
         forward, replay = (
             (contextlib.nullcontext(), contextlib.nullcontext()) if self.context_fn is None else self.context_fn()
         )
+        if hasattr(forward, "respect_saved_tensors_hooks"):
+            # torch (2.14) gives its selective caching mode checkpoint's choice only when the mode is the forward
+            # context itself, not wrapped: give it hyperac's (NOTE [Probed torch internals] in _compat.py).
+            forward.respect_saved_tensors_hooks = SAC_CHECKPOINT_KWARGS.get("respect_saved_tensors_hooks", False)
         return _WatchSaves(forward, self.layer, self.index), replay
 
 
