@@ -45,24 +45,26 @@ CALLER_WRITES = ("none", "mul", "residual", "view_sub", "aux_mul")
 RETURNS = ("tensor", "tuple", "dict")
 
 
-class _RereadSquare(torch.autograd.Function):
-    """``x * x`` whose backward reads ``ctx.saved_tensors`` twice (autograd allows it; checkpoint alone
-    does not)."""
+class ReadsTwice(torch.autograd.Function):
+    """``x * w`` (of one shape) whose backward reads ``ctx.saved_tensors`` ``reads`` times (autograd allows
+    more than one read; checkpoint alone does not)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x * x
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, reads: int) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.reads = reads
+        return x * w
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return grad * x + grad * ctx.saved_tensors[0]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        for _ in range(ctx.reads):
+            x, w = ctx.saved_tensors
+        return grad * w, grad * x, None
 
 
 def _unary(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "reread_square":
-        return _RereadSquare.apply(x) * 0.1
+        return ReadsTwice.apply(x, x, 2) * 0.1
     if name == "exp_tanh":
         return x.tanh().exp()
     if name == "square":

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from program_fuzzer import differences, train
+from program_fuzzer import ReadsTwice, differences, train
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils import checkpoint as torch_recompute
@@ -362,22 +362,6 @@ def test_a_gradient_penalty_through_an_in_place_op_on_a_view_that_saves_its_outp
             layers="layers", **options)
 
 
-class ReadsTwice(torch.autograd.Function):
-    """``x * w`` whose backward reads ``ctx.saved_tensors`` ``reads`` times."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, reads: int) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.reads = reads
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        for _ in range(ctx.reads):
-            x, w = ctx.saved_tensors
-        return grad * w, (grad * x).sum(0), None
-
-
 class Rereading(nn.Module):
     def __init__(self, reads: int) -> None:
         super().__init__()
@@ -386,7 +370,8 @@ class Rereading(nn.Module):
         self.reads = reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(ReadsTwice.apply(self.linear(x), self.scale, self.reads))
+        y = self.linear(x)
+        return torch.tanh(ReadsTwice.apply(y, self.scale.expand_as(y), self.reads))
 
 
 @pytest.mark.parametrize("backward", ["plain", "create_graph"])
