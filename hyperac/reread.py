@@ -77,6 +77,8 @@ def checkpoint_frame(unpack: Callable[[Any], torch.Tensor]) -> Any:
 
 
 def _read(frame: Any, unpack: Callable[[Any], torch.Tensor], holder: Any) -> torch.Tensor:
+    """Checkpoint's ``unpack(holder)``, with ``frame``'s region replayed again first where this backward has
+    read ``holder`` already."""
     backward = _current_backward()
     if backward is None or holder.handles.get(backward, _UNREAD) is not None:  # not read in this backward yet
         return unpack(holder)
