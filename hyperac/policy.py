@@ -817,10 +817,10 @@ class _ReplayMode(_EagerMode):
             return start
         if start < len(tape.keys) and (_creates_constant(tape.keys[start]) or cast_of_a_leaf(tape.keys[start], ())):
             for position in range(start, len(tape.keys)):
-                if tape.entries[position] is not None:
-                    break
                 if tape.keys[position] is key or tape.keys[position] == key:
                     return position
+                if tape.entries[position] is not None:  # only ops that keep nothing are skipped
+                    break
         raise _mismatch(tape, start, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -286,6 +286,27 @@ def test_an_autocast_cast_served_from_the_cache_in_forward_is_no_divergence():
         _parity(make, mode, _autocast_loss, layers="layers")
 
 
+class Conv1DLayer(nn.Module):
+    """Two HF GPT-2 ``Conv1D``s: ``addmm(bias, x, weight)``, whose autocast casts come right before the matmul
+    the selective modes keep (no ``t`` between them, as ``nn.Linear`` has)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(D, D) / 3) for _ in range(2))
+        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(D)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(torch.addmm(self.biases[0], x, self.weights[0]))
+        return x + torch.addmm(self.biases[1], h, self.weights[1])
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_autocast_casts_right_before_a_kept_op_are_no_divergence(mode):
+    """The replay runs its casts of leaves untracked and skips the forward's; the skip reached the kept
+    ``addmm`` and stopped there instead of matching it (RecomputeMismatchError in the selective modes)."""
+    _parity(lambda: Stack([Conv1DLayer() for _ in range(2)]), mode, _autocast_loss, layers="layers")
+
+
 def test_an_autocast_cast_served_from_the_cache_in_the_replay_is_no_divergence():
     """backward inside the autocast region: the replay's casts hit the cache the forward filled."""
     def step(model: nn.Module) -> torch.Tensor:
