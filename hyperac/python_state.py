@@ -151,55 +151,46 @@ def _same(first: Any, second: Any) -> bool:
     return first == second
 
 
-class _Entry:
-    """One piece of the snapshot: ``now()`` reads ``target``'s state, ``put(values)`` sets it, ``values``
-    is what the snapshot saw."""
-
-    __slots__ = ("target", "values")
-
-    def __init__(self, target: Any) -> None:
-        self.target = target
-        self.values = self.now()
-
-    def now(self) -> Any:
-        raise NotImplementedError
-
-    def put(self, values: Any) -> None:
-        raise NotImplementedError
-
-
-class _Attributes(_Entry):
+class _Attributes:
     """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity."""
 
-    __slots__ = ()
+    __slots__ = ("module", "values")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.values = self.now()
 
     def now(self) -> dict[str, Any]:
-        state = self.target.__dict__
+        state = self.module.__dict__
         return {name: state[name] for name in state.keys() - _MODULE_BOOKKEEPING}
 
     def put(self, values: dict[str, Any]) -> None:
-        state = self.target.__dict__
+        state = self.module.__dict__
         for name in state.keys() - _MODULE_BOOKKEEPING - values.keys():
             del state[name]
         state.update(values)
 
 
-class _Cell(_Entry):
+class _Cell:
     """A hook's closure variable (``nonlocal count``)."""
 
-    __slots__ = ()
+    __slots__ = ("cell", "values")
+
+    def __init__(self, cell: types.CellType) -> None:
+        self.cell = cell
+        self.values = self.now()
 
     def now(self) -> Any:
         try:
-            return self.target.cell_contents
+            return self.cell.cell_contents
         except ValueError:  # not bound yet
             return _MISSING
 
     def put(self, value: Any) -> None:
         if value is _MISSING:
-            del self.target.cell_contents
+            del self.cell.cell_contents
         else:
-            self.target.cell_contents = value
+            self.cell.cell_contents = value
 
 
 class _Contents:
@@ -235,16 +226,20 @@ class _Contents:
                     object.__setattr__(self.value, name, item)
 
 
-class _Generator(_Entry):
+class _Generator:
     """Where a ``torch.Generator`` the layer reaches stands (``torch.bernoulli(x, generator=self.g)``)."""
 
-    __slots__ = ()
+    __slots__ = ("generator", "values")
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self.values = self.now()
 
     def now(self) -> bytes:
-        return self.target.get_state().numpy().tobytes()
+        return self.generator.get_state().numpy().tobytes()
 
     def put(self, state: bytes) -> None:
-        self.target.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
 class PythonState:
@@ -257,7 +252,7 @@ class PythonState:
     """
 
     def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
-        self.entries: list[_Entry | _Contents] = []
+        self.entries: list[_Attributes | _Cell | _Contents | _Generator] = []
         self.seen: set[int] = set()
         self.displaced: list[list[tuple[Any, Any]]] = []
         own = list(modules)

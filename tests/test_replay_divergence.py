@@ -107,6 +107,17 @@ class Recorder:
         return output * (1 + 0.1 * len(self.outputs))
 
 
+class MethodRecorder:
+    """A plain object whose bound method is the hook."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+
+    def record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        self.outputs.append(output.detach())
+        return output * (1 + 0.1 * len(self.outputs))
+
+
 @dataclasses.dataclass(slots=True)
 class Schedule:
     temperature: float = 1.0
@@ -123,8 +134,8 @@ class Stateful(nn.Module):
         if holder == "hook_object":
             self.linear.register_forward_hook(Recorder())
         elif holder == "bound_hook":
-            self.recorder = Recorder()
-            self.linear.register_forward_hook(self.recorder.__call__)
+            self.recorder = MethodRecorder()
+            self.linear.register_forward_hook(self.recorder.record)
         self.schedule = Schedule()
         self.history: collections.deque = collections.deque(maxlen=3)
         self.held = types.SimpleNamespace(norm=nn.BatchNorm1d(D))
