@@ -517,6 +517,14 @@ class _EagerMode(TorchDispatchMode):
 
     Higher-order ops come to these modes as one op each (``supports_higher_order_operators``), with
     a rule per op (NOTE [Higher-order operators] in higher_order.py).
+
+    NOTE [A backward inside a forward]
+    A layer may run a backward in its forward (``torch.autograd.grad(energy, x, create_graph=True)``: forces
+    from an energy, a MAML inner step, an input-saliency gate). The engine runs that backward's nodes in an
+    order that depends on the graph, and the replay's graph is not the forward's (kept outputs come back
+    without their ops), so the two may run independent nodes in another order. The modes neither record
+    nor match the ops of a backward that started inside the region (its graph task is not the one the
+    mode was entered in): they run plainly, in forward and in every replay, and keep nothing.
     """
 
     supports_higher_order_operators = True
@@ -530,6 +538,7 @@ class _EagerMode(TorchDispatchMode):
         return True
 
     def __enter__(self):
+        self.task = torch._C._current_graph_task_id()  # NOTE [A backward inside a forward]
         self.paused_hook = pause_frame_compilation()
         try:
             return super().__enter__()
@@ -619,7 +628,7 @@ class _RecordingMode(_EagerMode):
             kwargs = {}
         entry = self.table.get(id(func))
         kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
-        if kind == _IGNORED or bypass_replay.get():
+        if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
@@ -828,7 +837,7 @@ class _ReplayMode(_EagerMode):
             kwargs = {}
         entry = self.table.get(id(func))
         kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
-        if kind == _IGNORED or bypass_replay.get():
+        if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func

@@ -11,23 +11,30 @@ the same; hyperac promises the un-applied gradients without the user writing a c
 
 So as a region's forward starts, hyperac takes a shallow snapshot of the Python state it can reach:
 the attributes in the ``__dict__`` of every module the region runs (its own, modules passed to it as
-arguments, modules it holds other than as registered children; ``nn.Module``'s own bookkeeping
-excluded), the variables and objects closed over by the forward hooks and pre-hooks of those modules,
-and the non-tensor arguments; one level into each value that is a ``list``, ``dict``, ``set`` or plain
-object (its ``__dict__``). A replay first puts back every entry that differs from the snapshot (by
+arguments, modules it holds other than as registered children, also in a plain object; ``nn.Module``'s
+own bookkeeping excluded, ``training`` included), what the forward hooks and pre-hooks of those modules
+hold (closure variables, a hook object, a bound hook's owner, and one level into each), and the
+non-tensor arguments; one level into each value that is a ``list``, ``dict``, ``set``, ``deque`` or
+plain object (its ``__dict__`` or ``__slots__``); and the state of each ``torch.Generator`` found
+there. Objects of torch and of hyperac itself are left as they are: the planner's profiler hooks layers
+to see every replay run. A replay first puts back every entry that differs from the snapshot (by
 identity, so tensors are never compared by value), runs, and then puts back what was there before it
 (the forward's own change, and whatever happened since): the forward changed the state once, and the
 replay read what the forward read. The snapshot holds references to the values it saw (no copies)
 until the region's backward is done.
 
-Not reached: module-level globals, objects two levels down (``self.a.b.c += 1``), in-place writes into
-a tensor held as a plain attribute, and side effects outside Python (printing, logging, files). A
-forward that branches on such state still diverges; every mode checks its replay and raises
-:class:`~hyperac.RecomputeMismatchError` (replay_check.py, NOTE [Every replay is checked]).
+Not reached: module-level globals, objects two levels down (``self.a.b.c += 1``), objects behind a
+``weakref``, iterators, Python's and numpy's random generators, in-place writes into a tensor held as a
+plain attribute, hooks registered for every module, and side effects outside Python (printing, logging,
+files). A forward that branches on such state so that its replay runs other ops or saves other tensors
+is caught: every mode checks its replay and raises :class:`~hyperac.RecomputeMismatchError`
+(replay_check.py, NOTE [Every replay is checked]). One that reads such state as a number trains with the
+replay's value: the docs say so.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import types
 from collections.abc import Iterable, Iterator
@@ -39,13 +46,14 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["PythonState"]
 
-_MODULE_BOOKKEEPING = frozenset(nn.Module().__dict__) | {"forward"}
+_MODULE_BOOKKEEPING = (frozenset(nn.Module().__dict__) - {"training"}) | {"forward"}
 """Keys of a module's ``__dict__`` that are nn.Module's own (parameters, buffers, children, hooks) or
-hyperac's (the instance ``forward`` it installs): never restored."""
+hyperac's (the instance ``forward`` it installs): never restored. ``training`` is restored: a replay after
+``model.eval()`` runs as its forward did."""
 
 _OPAQUE = (torch.Tensor, nn.Module, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.ModuleType, types.CellType, functools.partial)
-_CONTAINERS = (list, dict, set)
+_CONTAINERS = (list, dict, set, collections.deque)
 _MISSING = object()
 
 
@@ -53,13 +61,46 @@ def _state_of(value: Any) -> dict[str, Any] | None:
     """The ``__dict__`` of a plain object (not a torch object, a function, a class or a module), else
     ``None``. Read by type, past the class's attribute hooks: HF configs override ``__getattribute__``,
     which ``isinstance`` and ``vars`` would call."""
-    kind = type(value)
-    if issubclass(kind, _OPAQUE) or kind.__module__.partition(".")[0] == "torch":
+    if not _plain(value):
         return None
     try:
         return object.__getattribute__(value, "__dict__")
     except AttributeError:
         return None
+
+
+_WATCHERS = frozenset({"torch", __name__.partition(".")[0]})
+"""Packages whose objects are never restored: torch's (its hooks' state is its own) and hyperac's (the
+planner's profiler and the meters hook layers to see every replay run, NOTE [Python state in the replay])."""
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value``'s state is the user's: not a torch or hyperac object, a function, a class or a module."""
+    kind = type(value)
+    return not issubclass(kind, _OPAQUE) and kind.__module__.partition(".")[0] not in _WATCHERS
+
+
+def _slots_of(value: Any) -> dict[str, Any] | None:
+    """The ``__slots__`` attributes of a plain object without a ``__dict__`` (``@dataclass(slots=True)``),
+    by name (``_MISSING`` for one not set), else ``None``."""
+    if not _plain(value):
+        return None
+    names = [name for kind in type(value).__mro__ for name in _slot_names(kind)]
+    if not names:
+        return None
+    return {name: _slot(value, name) for name in names}
+
+
+def _slot_names(kind: type) -> tuple[str, ...]:
+    slots = kind.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(name for name in slots if name != "__weakref__")
+
+
+def _slot(value: Any, name: str) -> Any:
+    try:
+        return object.__getattribute__(value, name)
+    except AttributeError:
+        return _MISSING
 
 
 def _modules_in(value: Any) -> Iterator[nn.Module]:
@@ -73,6 +114,10 @@ def _modules_in(value: Any) -> Iterator[nn.Module]:
         yield from (item for item in value if issubclass(type(item), nn.Module))
     elif kind is dict:
         yield from (item for item in value.values() if issubclass(type(item), nn.Module))
+    else:
+        state = _state_of(value)
+        if state is not None:
+            yield from (item for item in state.values() if issubclass(type(item), nn.Module))
 
 
 def _hook_holders(module: nn.Module) -> Iterator[Any]:
@@ -85,7 +130,10 @@ def _hook_holders(module: nn.Module) -> Iterator[Any]:
         if type(hook) is types.MethodType:
             yield hook.__self__
             hook = hook.__func__
-        yield from getattr(hook, "__closure__", None) or ()
+        if type(hook) is types.FunctionType:
+            yield from hook.__closure__ or ()
+        else:  # an object with __call__ (a recorder keeping what it saw)
+            yield hook
 
 
 def _contents(value: Any) -> Any:
@@ -95,58 +143,70 @@ def _contents(value: Any) -> Any:
         if issubclass(kind, container):
             return container(value)
     state = _state_of(value)
-    return _MISSING if state is None else dict(state)
+    if state is not None:
+        return dict(state)
+    slots = _slots_of(value)
+    return _MISSING if slots is None else slots
 
 
 def _same(first: Any, second: Any) -> bool:
     """Equal shallow contents, compared by identity."""
     if type(first) is dict:
         return first.keys() == second.keys() and all(first[key] is second[key] for key in first)
-    if type(first) is list:
+    if type(first) in (list, collections.deque):
         return len(first) == len(second) and all(a is b for a, b in zip(first, second))
     return first == second
 
 
-class _Attributes:
-    """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity."""
+class _Entry:
+    """One piece of the snapshot: ``now()`` reads ``target``'s state, ``put(values)`` sets it, ``values``
+    is what the snapshot saw."""
 
-    __slots__ = ("module", "values")
+    __slots__ = ("target", "values")
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, target: Any) -> None:
+        self.target = target
         self.values = self.now()
 
+    def now(self) -> Any:
+        raise NotImplementedError
+
+    def put(self, values: Any) -> None:
+        raise NotImplementedError
+
+
+class _Attributes(_Entry):
+    """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity."""
+
+    __slots__ = ()
+
     def now(self) -> dict[str, Any]:
-        state = self.module.__dict__
+        state = self.target.__dict__
         return {name: state[name] for name in state.keys() - _MODULE_BOOKKEEPING}
 
     def put(self, values: dict[str, Any]) -> None:
-        state = self.module.__dict__
+        state = self.target.__dict__
         for name in state.keys() - _MODULE_BOOKKEEPING - values.keys():
             del state[name]
         state.update(values)
 
 
-class _Cell:
+class _Cell(_Entry):
     """A hook's closure variable (``nonlocal count``)."""
 
-    __slots__ = ("cell", "values")
-
-    def __init__(self, cell: types.CellType) -> None:
-        self.cell = cell
-        self.values = self.now()
+    __slots__ = ()
 
     def now(self) -> Any:
         try:
-            return self.cell.cell_contents
+            return self.target.cell_contents
         except ValueError:  # not bound yet
             return _MISSING
 
     def put(self, value: Any) -> None:
         if value is _MISSING:
-            del self.cell.cell_contents
+            del self.target.cell_contents
         else:
-            self.cell.cell_contents = value
+            self.target.cell_contents = value
 
 
 class _Contents:
@@ -161,12 +221,37 @@ class _Contents:
         return _contents(self.value)
 
     def put(self, contents: Any) -> None:
-        if issubclass(type(self.value), list):
+        kind = type(self.value)
+        if issubclass(kind, list):
             self.value[:] = contents
-            return
-        target = self.value if issubclass(type(self.value), (dict, set)) else _state_of(self.value)
-        target.clear()
-        target.update(contents)
+        elif issubclass(kind, collections.deque):
+            self.value.clear()
+            self.value.extend(contents)
+        elif issubclass(kind, (dict, set)):
+            self.value.clear()
+            self.value.update(contents)
+        elif (state := _state_of(self.value)) is not None:
+            state.clear()
+            state.update(contents)
+        else:
+            for name, item in contents.items():
+                if item is _MISSING:
+                    if _slot(self.value, name) is not _MISSING:
+                        object.__delattr__(self.value, name)
+                else:
+                    object.__setattr__(self.value, name, item)
+
+
+class _Generator(_Entry):
+    """Where a ``torch.Generator`` the layer reaches stands (``torch.bernoulli(x, generator=self.g)``)."""
+
+    __slots__ = ()
+
+    def now(self) -> bytes:
+        return self.target.get_state().numpy().tobytes()
+
+    def put(self, state: bytes) -> None:
+        self.target.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
 class PythonState:
@@ -179,7 +264,7 @@ class PythonState:
     """
 
     def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
-        self.entries: list[_Attributes | _Cell | _Contents] = []
+        self.entries: list[_Entry | _Contents] = []
         self.seen: set[int] = set()
         self.displaced: list[list[tuple[Any, Any]]] = []
         own = list(modules)
@@ -215,10 +300,11 @@ class PythonState:
 
     def _add_held(self, value: Any) -> None:
         """What a hook holds: a closure cell (and one level into its value), a module's attributes (the
-        model a ``self.seen.append`` hook closes over), or one level into the value."""
-        if id(value) in self.seen:
-            return
+        model a ``self.seen.append`` hook closes over), or the value and one level into what it holds (a
+        hook object's list of what it recorded, also where the object is a module's attribute as well)."""
         kind = type(value)
+        if id(value) in self.seen and (kind is types.CellType or issubclass(kind, nn.Module)):
+            return
         if kind is types.CellType:
             self.seen.add(id(value))
             cell = _Cell(value)
@@ -233,6 +319,8 @@ class PythonState:
                 self._add_contents(item)
         else:
             self._add_contents(value)
+            for item in (_state_of(value) or {}).values():
+                self._add_contents(item)
 
     def _add_contents(self, value: Any) -> None:
         """One level into ``value``: what a list, dict, set or plain object holds (not a module: its
@@ -240,6 +328,9 @@ class PythonState:
         if id(value) in self.seen or issubclass(type(value), nn.Module):
             return
         self.seen.add(id(value))
+        if type(value) is torch.Generator:
+            self.entries.append(_Generator(value))
+            return
         contents = _contents(value)
         if contents is not _MISSING:
             self.entries.append(_Contents(value, contents))

@@ -9,8 +9,11 @@ hyperac error that names the layer and the fix.
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import gc
+import types
 from collections.abc import Callable
 
 import pytest
@@ -91,6 +94,109 @@ def test_a_python_attribute_changed_in_forward_is_seen_by_the_replay_as_the_forw
     hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
     train(model, "plain", _input)
     assert [layer.calls for layer in model.layers] == [2, 2, 2]  # once per forward, never by a replay
+
+
+class Recorder:
+    """A forward hook object (``SaveOutput``): keeps what it saw, scales by how often it ran."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        self.outputs.append(output.detach())
+        return output * (1 + 0.1 * len(self.outputs))
+
+
+@dataclasses.dataclass(slots=True)
+class Schedule:
+    temperature: float = 1.0
+
+
+class Stateful(nn.Module):
+    """State a forward changes, held where a user puts it: a hook object, a bound hook's owner, a slots
+    dataclass, a deque, a BatchNorm in a plain object, a generator it draws from."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+        self.holder = holder
+        if holder == "hook_object":
+            self.linear.register_forward_hook(Recorder())
+        elif holder == "bound_hook":
+            self.recorder = Recorder()
+            self.linear.register_forward_hook(self.recorder.__call__)
+        self.schedule = Schedule()
+        self.history: collections.deque = collections.deque(maxlen=3)
+        self.held = types.SimpleNamespace(norm=nn.BatchNorm1d(D))
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if self.holder == "slots_dataclass":
+            self.schedule.temperature *= 0.5
+            h = h * self.schedule.temperature
+        elif self.holder == "deque":
+            self.history.append(float(len(self.history)))
+            h = h * sum(self.history)
+        elif self.holder == "plain_object_norm":
+            h = self.held.norm(h)
+        elif self.holder == "generator":
+            h = h * torch.bernoulli(torch.full_like(h, 0.5), generator=self.generator)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+@pytest.mark.parametrize("holder", ["hook_object", "bound_hook", "slots_dataclass", "deque", "plain_object_norm",
+                                    "generator"])
+def test_state_a_forward_changes_where_users_hold_it_is_seen_by_the_replay_as_the_forward_saw_it(holder, mode):
+    _parity(lambda: Stack([Stateful(holder) for _ in range(2)]), mode, layers="layers")
+
+
+def test_a_hook_object_records_each_forward_once_and_a_borrowed_norm_counts_each_step_once():
+    model = Stack([Stateful("hook_object"), Stateful("plain_object_norm")])
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    train(model, "plain", _input)
+    assert [len(hook.outputs) for hook in model.layers[0].linear._forward_hooks.values()] == [2]
+    assert model.layers[1].held.norm.num_batches_tracked.item() == 2
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_a_replay_after_model_eval_runs_as_its_training_forward_did(mode):
+    """``model.eval()`` between forward and backward (an evaluation callback before ``loss.backward()``)."""
+    def train_then_eval(model: nn.Module) -> list[torch.Tensor]:
+        model.train()
+        torch.manual_seed(3)
+        loss = model(torch.randn(4, D))
+        model.eval()
+        loss.backward()
+        return [loss.detach(), *(p.grad for p in model.parameters())]
+
+    torch.manual_seed(0)
+    model = Stack([nn.Sequential(nn.Linear(D, D), nn.Dropout(0.3), nn.Tanh()) for _ in range(2)])
+    expected = train_then_eval(copy.deepcopy(model))
+    hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+    assert all(torch.equal(a, b) for a, b in zip(expected, train_then_eval(model), strict=True))
+
+
+class Forces(nn.Module):
+    """Runs a backward in its forward: forces from an energy (interatomic potentials, PINNs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.energy = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            energy = torch.tanh(self.energy(x)).square().sum()
+            (force,) = torch.autograd.grad(energy, x, create_graph=True)
+        return x + 0.1 * force
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_a_backward_inside_a_forward_is_no_divergence(mode):
+    """NOTE [A backward inside a forward]: its nodes may run in another order in the replay; before, the
+    selective modes raised RecomputeMismatchError."""
+    _parity(lambda: Stack([Forces() for _ in range(2)]), mode, layers="layers")
 
 
 _CALLS = [0]
