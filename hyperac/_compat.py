@@ -252,7 +252,16 @@ def _probe_hook_dicts() -> str | None:
     copied_pre.remove(), copied_post.remove()
     if copy_._forward_pre_hooks or copy_._forward_hooks or pre.id not in module._forward_pre_hooks:
         return "a deepcopy of a RemovableHandle does not point into the copied module's hook tables"
-    return None
+    registry = torch.nn.modules.module
+    handles = (registry.register_module_forward_pre_hook(lambda m, args: None),
+               registry.register_module_forward_hook(lambda m, args, out: None))
+    try:
+        found = [handle.id in getattr(registry, name, {}) for handle, name in
+                 zip(handles, ("_global_forward_pre_hooks", "_global_forward_hooks"))]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return None if all(found) else "torch.nn.modules.module keeps no _global_forward_pre_hooks/_global_forward_hooks"
 
 
 def _probe_buffers_dict() -> str | None:
@@ -378,8 +387,10 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
     "torch._disable_dynamo": ("recompute.py (eager regions under torch.compile)", _probe_disable_dynamo),
     "TorchDispatchMode._should_skip_dynamo, .ignore_compile_internals (overridden)": (
         "policy.py (dispatch modes and torch.compile)", _probe_dispatch_mode_overrides),
-    "nn.Module._forward_pre_hooks, _forward_hooks (read); RemovableHandle copied with the module": (
-        "state.py, planner/verify.py (hooks found by scanning, removed by their handles, also in copies)",
+    "nn.Module._forward_pre_hooks, _forward_hooks (read), their global tables; RemovableHandle copied with the "
+    "module": (
+        "state.py, planner/verify.py, python_state.py (hooks found by scanning, removed by their handles, also in "
+        "copies; what they hold restored around a replay)",
         _probe_hook_dicts),
     "nn.Module._buffers": ("buffers.py (buffer snapshots restored in place)", _probe_buffers_dict),
     "Tensor._base": ("swap.py (views of parameters stay on the device)", _probe_tensor_base),

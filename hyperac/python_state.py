@@ -10,24 +10,27 @@ auxiliary-loss list gets a stale entry per replay, a hook records twice. torch.u
 the same; hyperac promises the un-applied gradients without the user writing a checkpoint call.
 
 So as a region's forward starts, hyperac takes a shallow snapshot of the Python state it can reach:
-the attributes in the ``__dict__`` of every module the region runs (its own, modules passed to it as
-arguments, modules it holds other than as registered children, also in a plain object; ``nn.Module``'s
-own bookkeeping excluded, ``training`` included), what the forward hooks and pre-hooks of those modules
-hold (closure variables, a hook object, a bound hook's owner, and one level into each), and the
-non-tensor arguments; one level into each value that is a ``list``, ``dict``, ``set``, ``deque`` or
-plain object (its ``__dict__`` or ``__slots__``); and the state of each ``torch.Generator`` found
-there. Objects of torch and of hyperac itself are left as they are: the planner's profiler hooks layers
-to see every replay run. A replay first puts back every entry that differs from the snapshot (by
-identity, so tensors are never compared by value), runs, and then puts back what was there before it
-(the forward's own change, and whatever happened since): the forward changed the state once, and the
-replay read what the forward read. The snapshot holds references to the values it saw (no copies)
-until the region's backward is done.
+the attributes in the ``__dict__`` of every module the region runs (its own, and the modules it is given
+as arguments or holds other than as registered children, found up to three levels down through lists,
+tuples, dicts, sets, deques and plain objects; ``nn.Module``'s own bookkeeping excluded, ``training``
+included); what the forward hooks and pre-hooks of those modules, and those registered for every module
+(``register_module_forward_hook``), hold (closure variables, a hook object, a bound hook's owner, and
+one level into each); and the non-tensor arguments. One level into each value that is a ``list``,
+``dict``, ``set``, ``deque`` or plain object (its ``__dict__`` or ``__slots__``), through a weak
+reference to one, and where each random generator found there stands (torch's, ``random.Random``,
+numpy's), as do the global ones behind ``random.random()`` and ``np.random.rand()``. Objects of torch
+and of hyperac itself are left as they are: the planner's profiler hooks layers to see every replay run.
+A replay first puts back every entry that differs from the snapshot (by identity, so tensors are never
+compared by value; generators by state), runs, and then puts back what was there before it (the
+forward's own change, and whatever happened since): the forward changed the state once, and the replay
+read what the forward read. The snapshot holds references to the values it saw (no copies) until the
+region's backward is done.
 
-Not reached: module-level globals, objects two levels down (``self.a.b.c += 1``), objects behind a
-``weakref``, iterators, Python's and numpy's random generators, in-place writes into a tensor held as a
-plain attribute, hooks registered for every module, and side effects outside Python (printing, logging,
-files). A forward that branches on such state so that its replay runs other ops or saves other tensors
-is caught: every mode checks its replay and raises :class:`~hyperac.RecomputeMismatchError`
+Not reached: module-level globals (a hook appending to a global list), objects two levels below a
+module attribute (``self.a.b.c += 1``), a module behind a ``weakref``, iterators (``itertools.count``),
+in-place writes into a tensor held as a plain attribute, and side effects outside Python (printing,
+logging, files). A forward that branches on such state so that its replay runs other ops or saves other
+tensors is caught: every mode checks its replay and raises :class:`~hyperac.RecomputeMismatchError`
 (replay_check.py, NOTE [Every replay is checked]). One that reads such state as a number trains with the
 replay's value: the docs say so.
 """
@@ -36,8 +39,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import pickle
+import random
+import sys
 import types
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -103,37 +110,71 @@ def _slot(value: Any, name: str) -> Any:
         return _MISSING
 
 
-def _modules_in(value: Any) -> Iterator[nn.Module]:
-    """Modules ``value`` is, is a bound method of, or holds one level down (a list, tuple or dict)."""
+_MODULE_DEPTH = 3
+"""How many levels of lists, tuples, dicts, sets, deques and plain objects :func:`_modules_in` looks
+through for modules (a BatchNorm in a list held by a ``SimpleNamespace`` attribute is two)."""
+
+
+def _modules_in(value: Any, depth: int = _MODULE_DEPTH) -> Iterator[nn.Module]:
+    """Modules ``value`` is, is a bound method of, or holds up to ``depth`` levels down, through
+    containers and plain objects (not through modules: their sub-modules are found by ``modules()``)."""
     kind = type(value)
     if issubclass(kind, nn.Module):
         yield value
-    elif kind is types.MethodType and issubclass(type(value.__self__), nn.Module):
-        yield value.__self__
-    elif kind in (list, tuple):
-        yield from (item for item in value if issubclass(type(item), nn.Module))
-    elif kind is dict:
-        yield from (item for item in value.values() if issubclass(type(item), nn.Module))
+        return
+    if kind is types.MethodType:
+        value = value.__self__
+        if issubclass(type(value), nn.Module):
+            yield value
+            return
+    if depth == 0:
+        return
+    if issubclass(kind, (list, tuple, set, frozenset, collections.deque)):
+        items: Iterable[Any] = value
+    elif issubclass(kind, dict):
+        items = value.values()
     else:
-        state = _state_of(value)
-        if state is not None:
-            yield from (item for item in state.values() if issubclass(type(item), nn.Module))
+        items = (_state_of(value) or _slots_of(value) or {}).values()
+    for item in items:
+        yield from _modules_in(item, depth - 1)
 
 
-def _hook_holders(module: nn.Module) -> Iterator[Any]:
-    """What the forward hooks and pre-hooks of ``module`` hold: the cells of their closures, their bound
-    ``self``, the arguments of a ``functools.partial``."""
-    for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+def _hook_holders(hooks: Iterable[Callable[..., Any]]) -> Iterator[Any]:
+    """What forward hooks and pre-hooks hold: the cells of their closures, their bound ``self``, the
+    arguments of a ``functools.partial``, the hook itself where it is an object with ``__call__`` (a
+    recorder keeping what it saw). Not the cells of torch's and hyperac's own functions (``_WATCHERS``)."""
+    for hook in hooks:
+        held: list[Any] = []
         while type(hook) is functools.partial:
-            yield from (*hook.args, *hook.keywords.values())
+            held += (*hook.args, *hook.keywords.values())
             hook = hook.func
         if type(hook) is types.MethodType:
-            yield hook.__self__
+            held.append(hook.__self__)
             hook = hook.__func__
         if type(hook) is types.FunctionType:
-            yield from hook.__closure__ or ()
-        else:  # an object with __call__ (a recorder keeping what it saw)
-            yield hook
+            if (hook.__module__ or "").partition(".")[0] in _WATCHERS:
+                continue
+            held += hook.__closure__ or ()
+        else:
+            held.append(hook)
+        yield from held
+
+
+def _global_hooks() -> list[Callable[..., Any]]:
+    """The forward hooks and pre-hooks registered for every module (``register_module_forward_hook``):
+    they run in the replay of every module too."""
+    registry = nn.modules.module
+    return [*registry._global_forward_pre_hooks.values(), *registry._global_forward_hooks.values()]
+
+
+def _global_generators() -> list[Any]:
+    """The generators behind Python's ``random`` functions and, once numpy's ``random`` is imported,
+    numpy's legacy ``np.random`` functions (their bound methods' owners: no private names)."""
+    generators: list[Any] = [random.getstate.__self__]  # type: ignore[attr-defined]
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        generators.append(numpy_random.get_state.__self__)
+    return generators
 
 
 def _contents(value: Any) -> Any:
@@ -243,15 +284,44 @@ class _Contents:
 
 
 class _Generator(_Entry):
-    """Where a ``torch.Generator`` the layer reaches stands (``torch.bernoulli(x, generator=self.g)``)."""
+    """Where a random generator the layer reaches stands: a ``torch.Generator``
+    (``torch.bernoulli(x, generator=self.g)``), a ``random.Random``, a numpy ``RandomState`` or
+    ``Generator``, and the global ones behind ``random.random()`` and ``np.random.rand()``. Its state is
+    kept as bytes: compared by value, set back exactly."""
 
     __slots__ = ()
 
     def now(self) -> bytes:
-        return self.target.get_state().numpy().tobytes()
+        if type(self.target) is torch.Generator:
+            return self.target.get_state().numpy().tobytes()
+        return pickle.dumps(_generator_state(self.target))
 
     def put(self, state: bytes) -> None:
-        self.target.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        if type(self.target) is torch.Generator:
+            self.target.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        elif isinstance(self.target, random.Random):
+            self.target.setstate(pickle.loads(state))
+        elif hasattr(self.target, "bit_generator"):
+            self.target.bit_generator.state = pickle.loads(state)
+        else:
+            self.target.set_state(pickle.loads(state))
+
+
+def _generator_state(generator: Any) -> Any:
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if hasattr(generator, "bit_generator"):
+        return generator.bit_generator.state
+    return generator.get_state()
+
+
+def _is_generator(value: Any) -> bool:
+    """A torch, Python (not ``SystemRandom``: it has no state) or numpy random generator."""
+    kind = type(value)
+    if kind is torch.Generator or (issubclass(kind, random.Random) and not issubclass(kind, random.SystemRandom)):
+        return True
+    numpy_random = sys.modules.get("numpy.random")
+    return numpy_random is not None and issubclass(kind, (numpy_random.RandomState, numpy_random.Generator))
 
 
 class PythonState:
@@ -277,6 +347,10 @@ class PythonState:
             self._add_contents(leaf)
         for module in own:
             found.extend(self._add_module(module))
+        for value in _hook_holders(_global_hooks()):
+            self._add_held(value)
+        for generator in _global_generators():
+            self._add_contents(generator)
         self.borrowed: list[nn.Module] = []
         for candidate in found:
             for module in candidate.modules():
@@ -294,7 +368,7 @@ class PythonState:
         for value in attributes.values.values():
             held.extend(_modules_in(value))
             self._add_contents(value)
-        for value in _hook_holders(module):
+        for value in _hook_holders((*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
             self._add_held(value)
         return held
 
@@ -328,8 +402,11 @@ class PythonState:
         if id(value) in self.seen or issubclass(type(value), nn.Module):
             return
         self.seen.add(id(value))
-        if type(value) is torch.Generator:
+        if _is_generator(value):
             self.entries.append(_Generator(value))
+            return
+        if issubclass(type(value), weakref.ref):
+            self._add_contents(value())  # what the weak reference points at, while it lives
             return
         contents = _contents(value)
         if contents is not _MISSING:

@@ -8,6 +8,9 @@ each drawn feature:
 * ``autocast``: part of the layer under ``torch.autocast("cpu", bfloat16)`` (the weight-cast cache);
 * ``hook_record`` / ``hook_scale``: a forward hook on a sub-module that records activations into a
   list the model holds, or returns a changed output;
+* ``hook_object``: a forward hook that is an object counting its calls and scaling by the count;
+* ``slots_state``: a ``@dataclass(slots=True)`` temperature the forward lowers and scales by;
+* ``python_random``: a scale drawn from Python's global ``random`` (seeded by the loss);
 * ``counter_value`` / ``counter_branch``: a Python attribute counting calls, used as a value or
   branched on;
 * ``aux_list``: an MoE-style auxiliary loss appended to a list the parent owns and adds to the loss;
@@ -32,6 +35,7 @@ applied and un-applied bit for bit.
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +50,7 @@ from transformers.utils import ModelOutput
 FEATURES = (
     "autocast", "hook_record", "hook_scale", "counter_value", "counter_branch", "aux_list", "tensor_attribute",
     "borrowed_norm", "held_linear", "parametrized", "nested_checkpoint", "data_branch", "float64", "view_write",
+    "hook_object", "slots_state", "python_random",
 )
 PARAMETRIZATIONS = ("orthogonal", "weight_norm", "spectral_norm")
 OUTPUTS = ("tensor", "tuple", "dict", "model_output")
@@ -55,6 +60,22 @@ OUTPUTS = ("tensor", "tuple", "dict", "model_output")
 class BlockOutput(ModelOutput):
     hidden: torch.Tensor | None = None
     extra: torch.Tensor | None = None
+
+
+class CountingHook:
+    """A forward hook object: scales the output by how often it ran."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return out * (1 + self.calls / 8)
+
+
+@dataclass(slots=True)
+class Temperature:
+    value: float = 1.0
 
 
 class FeatureBlock(nn.Module):
@@ -74,6 +95,9 @@ class FeatureBlock(nn.Module):
             self.second.register_forward_hook(lambda module, args, out: model.seen.append(out.detach().sum()))
         if "hook_scale" in features:
             self.first.register_forward_hook(lambda module, args, out: out * 1.5)
+        if "hook_object" in features:
+            self.first.register_forward_hook(CountingHook())
+        self.temperature = Temperature()
 
     def _inner(self, x: torch.Tensor) -> torch.Tensor:
         if "parametrized" in self.features:
@@ -92,6 +116,11 @@ class FeatureBlock(nn.Module):
             h = self._inner(x)
         if "counter_value" in self.features:
             h = h * (1 + self.calls / 8)
+        if "slots_state" in self.features:
+            self.temperature.value *= 0.9
+            h = h * self.temperature.value
+        if "python_random" in self.features:
+            h = h * (0.5 + random.random())
         if "counter_branch" in self.features:
             h = h.tanh() if self.calls % 2 else h.exp().clamp(max=4)
         if "autocast" in self.features:
@@ -180,8 +209,9 @@ def build(program: dict) -> FeatureModel:
 
 def loss_fn(program: dict) -> Callable[[nn.Module], torch.Tensor]:
     """The program's loss: one batch of length ``T``, or the sum over lengths ``T`` and ``T + 2``; under
-    ``parametrize.cached()`` where the program says so."""
+    ``parametrize.cached()`` where the program says so; Python's ``random`` seeded first."""
     def loss(model: nn.Module) -> torch.Tensor:
+        random.seed(program["seed"])
         with parametrize.cached() if program["cached"] else contextlib.nullcontext():
             total = model(torch.randn(B, T, D))
             if program["lengths"]:

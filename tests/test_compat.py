@@ -149,14 +149,20 @@ def test_every_private_torch_piece_is_probed_and_present():
         assert piece in names, piece
 
 
+_HOOK_TABLES = ("nn.Module._forward_pre_hooks, _forward_hooks (read), their global tables; RemovableHandle "
+                "copied with the module")
+
+
 @pytest.mark.parametrize(("name", "breaks"), [
     ("torch._disable_dynamo", lambda monkeypatch: monkeypatch.setattr(torch, "_disable_dynamo", lambda fn: None)),
     ("nn.Module._buffers", lambda monkeypatch: monkeypatch.setattr(
         torch.nn.Module, "__getattr__", lambda self, name: torch.zeros(2))),
     ("Tensor._base", lambda monkeypatch: monkeypatch.setattr(torch.Tensor, "_base", None)),
-    ("nn.Module._forward_pre_hooks, _forward_hooks (read); RemovableHandle copied with the module",
-     lambda monkeypatch: monkeypatch.setattr(  # a copied handle points nowhere
+    (_HOOK_TABLES, lambda monkeypatch: monkeypatch.setattr(  # a copied handle points nowhere
         torch.utils.hooks.RemovableHandle, "__getstate__", lambda self: (None, self.id))),
+    (_HOOK_TABLES, lambda monkeypatch: monkeypatch.setattr(  # global hooks kept in a table of their own
+        torch.nn.modules.module, "register_module_forward_hook",
+        lambda hook: torch.utils.hooks.RemovableHandle({}))),
 ])
 def test_a_changed_private_piece_is_reported(monkeypatch, name, breaks):
     breaks(monkeypatch)

@@ -13,7 +13,9 @@ import collections
 import copy
 import dataclasses
 import gc
+import random
 import types
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -112,9 +114,21 @@ class Schedule:
     temperature: float = 1.0
 
 
+class Owner:
+    """A plain object a layer reaches only through a weak reference (a parent it must not keep alive);
+    kept alive by ``_OWNERS``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+_OWNERS: list[Owner] = []
+
+
 class Stateful(nn.Module):
     """State a forward changes, held where a user puts it: a hook object, a bound hook's owner, a slots
-    dataclass, a deque, a BatchNorm in a plain object, a generator it draws from."""
+    dataclass, a deque, a BatchNorm in a plain object (or in a list in one), a generator it draws from
+    (torch's, Python's, numpy's), an object behind a weak reference."""
 
     def __init__(self, holder: str) -> None:
         super().__init__()
@@ -127,8 +141,11 @@ class Stateful(nn.Module):
             self.linear.register_forward_hook(self.recorder.__call__)
         self.schedule = Schedule()
         self.history: collections.deque = collections.deque(maxlen=3)
-        self.held = types.SimpleNamespace(norm=nn.BatchNorm1d(D))
+        self.held = types.SimpleNamespace(norm=nn.BatchNorm1d(D), norms=[nn.BatchNorm1d(D)])
         self.generator = torch.Generator().manual_seed(5)
+        self.python_generator = random.Random(5)
+        if holder == "numpy_generator":
+            self.numpy_generator = pytest.importorskip("numpy").random.default_rng(5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear(x)
@@ -140,24 +157,107 @@ class Stateful(nn.Module):
             h = h * sum(self.history)
         elif self.holder == "plain_object_norm":
             h = self.held.norm(h)
+        elif self.holder == "list_in_plain_object_norm":
+            h = self.held.norms[0](h)
         elif self.holder == "generator":
             h = h * torch.bernoulli(torch.full_like(h, 0.5), generator=self.generator)
+        elif self.holder == "python_generator":
+            h = h * self.python_generator.random()
+        elif self.holder == "numpy_generator":
+            h = h * float(self.numpy_generator.random())
+        elif self.holder == "weakref":
+            if "owner" not in self.__dict__:  # made by the first forward, so that deepcopies do not share it
+                _OWNERS.append(Owner())
+                self.owner = weakref.ref(_OWNERS[-1])
+            owner = self.owner()
+            owner.calls += 1
+            h = h * owner.calls
         return torch.tanh(h)
 
 
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
 @pytest.mark.parametrize("holder", ["hook_object", "bound_hook", "slots_dataclass", "deque", "plain_object_norm",
-                                    "generator"])
+                                    "list_in_plain_object_norm", "generator", "python_generator", "numpy_generator",
+                                    "weakref"])
 def test_state_a_forward_changes_where_users_hold_it_is_seen_by_the_replay_as_the_forward_saw_it(holder, mode):
     _parity(lambda: Stack([Stateful(holder) for _ in range(2)]), mode, layers="layers")
 
 
 def test_a_hook_object_records_each_forward_once_and_a_borrowed_norm_counts_each_step_once():
-    model = Stack([Stateful("hook_object"), Stateful("plain_object_norm")])
+    model = Stack([Stateful("hook_object"), Stateful("plain_object_norm"), Stateful("list_in_plain_object_norm")])
     hyperac.apply(model, mode="full", backend="cpu", layers="layers")
     train(model, "plain", _input)
     assert [len(hook.outputs) for hook in model.layers[0].linear._forward_hooks.values()] == [2]
     assert model.layers[1].held.norm.num_batches_tracked.item() == 2
+    assert model.layers[2].held.norms[0].num_batches_tracked.item() == 2
+
+
+class GlobalDraws(nn.Module):
+    """Scales by draws from Python's and numpy's global generators (``random.random()``, ``np.random.rand()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        numpy = pytest.importorskip("numpy")
+        scale = random.random() + float(numpy.random.rand())  # drawn before the last saved op: the replay draws
+        return torch.tanh(self.linear(x) * scale)
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_draws_from_the_global_python_and_numpy_generators_are_replayed_and_leave_them_where_the_forward_did(mode):
+    numpy = pytest.importorskip("numpy")
+
+    def seeded_train(model: nn.Module) -> tuple[list, tuple, float]:
+        random.seed(1)
+        numpy.random.seed(1)
+        return train(model, "plain", _input), random.getstate(), numpy.random.rand()
+
+    torch.manual_seed(0)
+    model = Stack([GlobalDraws() for _ in range(2)])
+    expected, python_state, numpy_draw = seeded_train(copy.deepcopy(model))
+    hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+    actual, applied_python_state, applied_numpy_draw = seeded_train(model)
+    assert differences(expected, actual) == []
+    assert (applied_python_state, applied_numpy_draw) == (python_state, numpy_draw)
+
+
+class Seen:
+    """A hook registered for every module that counts the Linear outputs it saw."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if isinstance(module, nn.Linear):
+            self.outputs.append(output.detach())
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+@pytest.mark.parametrize("kind", ["object", "closure"])
+def test_a_hook_registered_for_every_module_sees_each_forward_once(kind, mode):
+    """``register_module_forward_hook``: what it holds is part of every layer's Python state."""
+    def seen_by_hook(apply: bool) -> int:
+        seen = Seen()
+        outputs: list[torch.Tensor] = []
+
+        def closure(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if isinstance(module, nn.Linear):
+                outputs.append(output.detach())
+
+        torch.manual_seed(0)
+        model = Stack([nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(2)])
+        if apply:
+            hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+        handle = nn.modules.module.register_module_forward_hook(seen if kind == "object" else closure)
+        try:
+            train(model, "plain", _input)
+        finally:
+            handle.remove()
+        return len(seen.outputs if kind == "object" else outputs)
+
+    assert seen_by_hook(apply=True) == seen_by_hook(apply=False) == 6  # 2 steps x 3 Linears
 
 
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
