@@ -253,15 +253,15 @@ def _probe_hook_dicts() -> str | None:
     if copy_._forward_pre_hooks or copy_._forward_hooks or pre.id not in module._forward_pre_hooks:
         return "a deepcopy of a RemovableHandle does not point into the copied module's hook tables"
     registry = torch.nn.modules.module
-    handles = (registry.register_module_forward_pre_hook(lambda m, args: None),
-               registry.register_module_forward_hook(lambda m, args, out: None))
-    try:
-        found = [handle.id in getattr(registry, name, {}) for handle, name in
-                 zip(handles, ("_global_forward_pre_hooks", "_global_forward_hooks"))]
-    finally:
-        for handle in handles:
+    for register, name in ((registry.register_module_forward_pre_hook, "_global_forward_pre_hooks"),
+                           (registry.register_module_forward_hook, "_global_forward_hooks")):
+        handle = register(lambda *args: None)
+        try:
+            if handle.id not in getattr(registry, name, {}):
+                return f"torch.nn.modules.module keeps no {name} of the hooks registered for every module"
+        finally:
             handle.remove()
-    return None if all(found) else "torch.nn.modules.module keeps no _global_forward_pre_hooks/_global_forward_hooks"
+    return None
 
 
 def _probe_buffers_dict() -> str | None:

@@ -13,7 +13,8 @@ So as a region's forward starts, hyperac takes a shallow snapshot of the Python 
 the attributes in the ``__dict__`` of every module the region runs (its own, and the modules it is given
 as arguments or holds other than as registered children, found up to three levels down through lists,
 tuples, dicts, sets, deques and plain objects; ``nn.Module``'s own bookkeeping excluded, ``training``
-included); what the forward hooks and pre-hooks of those modules, and those registered for every module
+included) and whether their parameters require grad (one frozen between forward and backward was
+recorded requiring it); what the forward hooks and pre-hooks of those modules, and those registered for every module
 (``register_module_forward_hook``), hold (closure variables, a hook object, a bound hook's owner, and
 one level into each); and the non-tensor arguments. One level into each value that is a ``list``,
 ``dict``, ``set``, ``deque`` or plain object (its ``__dict__`` or ``__slots__``), through a weak
@@ -82,9 +83,11 @@ planner's profiler and the meters hook layers to see every replay run, NOTE [Pyt
 
 
 def _plain(value: Any) -> bool:
-    """Whether ``value``'s state is the user's: not a torch or hyperac object, a function, a class or a module."""
+    """Whether ``value``'s state is the user's: not a builtin (a number, a string; containers are read as
+    such), a torch or hyperac object, a function, a class or a module."""
     kind = type(value)
-    return not issubclass(kind, _OPAQUE) and kind.__module__.partition(".")[0] not in _WATCHERS
+    package = kind.__module__.partition(".")[0]
+    return package != "builtins" and package not in _WATCHERS and not issubclass(kind, _OPAQUE)
 
 
 def _slots_of(value: Any) -> dict[str, Any] | None:
@@ -92,15 +95,20 @@ def _slots_of(value: Any) -> dict[str, Any] | None:
     by name (``_MISSING`` for one not set), else ``None``."""
     if not _plain(value):
         return None
-    names = [name for kind in type(value).__mro__ for name in _slot_names(kind)]
+    names = _slot_names(type(value))
     if not names:
         return None
     return {name: _slot(value, name) for name in names}
 
 
+@functools.lru_cache(maxsize=1024)
 def _slot_names(kind: type) -> tuple[str, ...]:
-    slots = kind.__dict__.get("__slots__", ())
-    return (slots,) if isinstance(slots, str) else tuple(name for name in slots if name != "__weakref__")
+    """The ``__slots__`` names of ``kind`` and its bases (a cache: a class's slots are fixed)."""
+    names = []
+    for base in kind.__mro__:
+        slots = base.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [name for name in slots if name != "__weakref__"]
+    return tuple(names)
 
 
 def _slot(value: Any, name: str) -> Any:
@@ -115,28 +123,33 @@ _MODULE_DEPTH = 3
 through for modules (a BatchNorm in a list held by a ``SimpleNamespace`` attribute is two)."""
 
 
-def _modules_in(value: Any, depth: int = _MODULE_DEPTH) -> Iterator[nn.Module]:
+_ATOMS = frozenset({int, float, bool, str, bytes, complex, type(None)})
+"""Types that hold no module, skipped without a look (most of what a config object holds)."""
+
+
+def _modules_in(value: Any, visited: set[int], depth: int = _MODULE_DEPTH) -> list[nn.Module]:
     """Modules ``value`` is, is a bound method of, or holds up to ``depth`` levels down, through
-    containers and plain objects (not through modules: their sub-modules are found by ``modules()``)."""
+    containers and plain objects not in ``visited`` (ids; not through modules: their sub-modules are
+    found by ``modules()``)."""
     kind = type(value)
+    if kind in _ATOMS:
+        return []
     if issubclass(kind, nn.Module):
-        yield value
-        return
+        return [value]
     if kind is types.MethodType:
         value = value.__self__
         if issubclass(type(value), nn.Module):
-            yield value
-            return
-    if depth == 0:
-        return
+            return [value]
+    if depth == 0 or id(value) in visited:
+        return []
+    visited.add(id(value))
     if issubclass(kind, (list, tuple, set, frozenset, collections.deque)):
         items: Iterable[Any] = value
     elif issubclass(kind, dict):
         items = value.values()
     else:
         items = (_state_of(value) or _slots_of(value) or {}).values()
-    for item in items:
-        yield from _modules_in(item, depth - 1)
+    return [module for item in items if type(item) not in _ATOMS for module in _modules_in(item, visited, depth - 1)]
 
 
 def _hook_holders(hooks: Iterable[Callable[..., Any]]) -> Iterator[Any]:
@@ -232,6 +245,19 @@ class _Attributes(_Entry):
         state.update(values)
 
 
+class _RequiresGrad(_Entry):
+    """Whether a parameter of a module the region runs requires grad (a parameter frozen between the
+    forward and the backward was recorded requiring it)."""
+
+    __slots__ = ()
+
+    def now(self) -> bool:
+        return self.target.requires_grad
+
+    def put(self, flag: bool) -> None:
+        self.target.requires_grad_(flag)
+
+
 class _Cell(_Entry):
     """A hook's closure variable (``nonlocal count``)."""
 
@@ -287,32 +313,28 @@ class _Generator(_Entry):
     """Where a random generator the layer reaches stands: a ``torch.Generator``
     (``torch.bernoulli(x, generator=self.g)``), a ``random.Random``, a numpy ``RandomState`` or
     ``Generator``, and the global ones behind ``random.random()`` and ``np.random.rand()``. Its state is
-    kept as bytes: compared by value, set back exactly."""
+    kept in a form compared by value (bytes, or Python's own state tuple) and set back exactly."""
 
     __slots__ = ()
 
-    def now(self) -> bytes:
-        if type(self.target) is torch.Generator:
-            return self.target.get_state().numpy().tobytes()
-        return pickle.dumps(_generator_state(self.target))
+    def now(self) -> Any:
+        target = self.target
+        if type(target) is torch.Generator:
+            return target.get_state().numpy().tobytes()
+        if isinstance(target, random.Random):
+            return target.getstate()
+        return pickle.dumps(target.bit_generator.state if hasattr(target, "bit_generator") else target.get_state())
 
-    def put(self, state: bytes) -> None:
-        if type(self.target) is torch.Generator:
-            self.target.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        elif isinstance(self.target, random.Random):
-            self.target.setstate(pickle.loads(state))
-        elif hasattr(self.target, "bit_generator"):
-            self.target.bit_generator.state = pickle.loads(state)
+    def put(self, state: Any) -> None:
+        target = self.target
+        if type(target) is torch.Generator:
+            target.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        elif isinstance(target, random.Random):
+            target.setstate(state)
+        elif hasattr(target, "bit_generator"):
+            target.bit_generator.state = pickle.loads(state)
         else:
-            self.target.set_state(pickle.loads(state))
-
-
-def _generator_state(generator: Any) -> Any:
-    if isinstance(generator, random.Random):
-        return generator.getstate()
-    if hasattr(generator, "bit_generator"):
-        return generator.bit_generator.state
-    return generator.get_state()
+            target.set_state(pickle.loads(state))
 
 
 def _is_generator(value: Any) -> bool:
@@ -340,13 +362,14 @@ class PythonState:
         own = list(modules)
         self.seen.update(map(id, own))
         found: list[nn.Module] = []
+        walked: set[int] = set()  # what the search for modules looked through
         for leaf in tree_leaves((args, kwargs)):
             if issubclass(type(leaf), torch.Tensor):
                 continue
-            found.extend(_modules_in(leaf))
+            found.extend(_modules_in(leaf, walked))
             self._add_contents(leaf)
         for module in own:
-            found.extend(self._add_module(module))
+            found.extend(self._add_module(module, walked))
         for value in _hook_holders(_global_hooks()):
             self._add_held(value)
         for generator in _global_generators():
@@ -357,16 +380,17 @@ class PythonState:
                 if id(module) not in self.seen:
                     self.seen.add(id(module))
                     self.borrowed.append(module)
-                    self._add_module(module)
+                    self._add_module(module, walked)
 
-    def _add_module(self, module: nn.Module) -> list[nn.Module]:
+    def _add_module(self, module: nn.Module, walked: set[int]) -> list[nn.Module]:
         """Snapshot ``module``'s attributes, one level into them, and what its hooks hold; returns the
         modules among its attributes."""
         attributes = _Attributes(module)
         self.entries.append(attributes)
+        self.entries.extend(map(_RequiresGrad, module.parameters(recurse=False)))
         held = []
         for value in attributes.values.values():
-            held.extend(_modules_in(value))
+            held.extend(_modules_in(value, walked))
             self._add_contents(value)
         for value in _hook_holders((*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
             self._add_held(value)

@@ -8,6 +8,7 @@ while modes that need no internals still apply. The cases run on every torch in 
 
 from __future__ import annotations
 
+import collections
 import copy
 import pathlib
 import warnings
@@ -162,7 +163,7 @@ _HOOK_TABLES = ("nn.Module._forward_pre_hooks, _forward_hooks (read), their glob
         torch.utils.hooks.RemovableHandle, "__getstate__", lambda self: (None, self.id))),
     (_HOOK_TABLES, lambda monkeypatch: monkeypatch.setattr(  # global hooks kept in a table of their own
         torch.nn.modules.module, "register_module_forward_hook",
-        lambda hook: torch.utils.hooks.RemovableHandle({}))),
+        lambda hook: torch.utils.hooks.RemovableHandle(collections.OrderedDict()))),
 ])
 def test_a_changed_private_piece_is_reported(monkeypatch, name, breaks):
     breaks(monkeypatch)

@@ -278,6 +278,20 @@ def test_a_replay_after_model_eval_runs_as_its_training_forward_did(mode):
     assert all(torch.equal(a, b) for a, b in zip(expected, train_then_eval(model), strict=True))
 
 
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_a_parameter_frozen_between_forward_and_backward_is_replayed_as_recorded(mode):
+    """``requires_grad_(False)`` after the forward (a freezing schedule run from a callback): the graph was
+    recorded with the parameter requiring grad; before, every mode raised (the replay saved fewer tensors)."""
+    def freezing(model: nn.Module) -> torch.Tensor:
+        model.requires_grad_(True)
+        loss = _input(model)
+        model.layers[1][0].weight.requires_grad_(False)
+        return loss
+
+    _parity(lambda: Stack([nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(2)]), mode, freezing,
+            layers="layers")
+
+
 class Forces(nn.Module):
     """Runs a backward in its forward: forces from an energy (interatomic potentials, PINNs)."""
 
