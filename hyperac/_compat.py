@@ -244,8 +244,9 @@ def _probe_hook_dicts() -> str | None:
     module = torch.nn.Linear(1, 1)
     pre = module.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
     post = module.register_forward_hook(lambda m, args, kwargs, out: None, with_kwargs=True, always_call=True)
-    missing = [name for name, key in (("_forward_pre_hooks", pre.id), ("_forward_hooks", post.id))
-               if key not in getattr(module, name, {})]
+    tables = (("_forward_pre_hooks", pre.id), ("_forward_hooks", post.id), ("_forward_pre_hooks_with_kwargs", pre.id),
+              ("_forward_hooks_with_kwargs", post.id), ("_forward_hooks_always_called", post.id))
+    missing = [name for name, key in tables if key not in getattr(module, name, {})]
     if missing:
         return f"nn.Module keeps no hook entry in {', '.join(missing)}"
     copy_, copied_pre, copied_post = copy.deepcopy((module, pre, post))
@@ -387,10 +388,10 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
     "torch._disable_dynamo": ("recompute.py (eager regions under torch.compile)", _probe_disable_dynamo),
     "TorchDispatchMode._should_skip_dynamo, .ignore_compile_internals (overridden)": (
         "policy.py (dispatch modes and torch.compile)", _probe_dispatch_mode_overrides),
-    "nn.Module._forward_pre_hooks, _forward_hooks (read), their global tables; RemovableHandle copied with the "
-    "module": (
+    "nn.Module._forward_pre_hooks, _forward_hooks (read), their with_kwargs / always_called flags and global "
+    "tables; RemovableHandle copied with the module": (
         "state.py, planner/verify.py, python_state.py (hooks found by scanning, removed by their handles, also in "
-        "copies; what they hold restored around a replay)",
+        "copies; the user's hooks, and what they hold, restored around a replay)",
         _probe_hook_dicts),
     "nn.Module._buffers": ("buffers.py (buffer snapshots restored in place)", _probe_buffers_dict),
     "Tensor._base": ("swap.py (views of parameters stay on the device)", _probe_tensor_base),

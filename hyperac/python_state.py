@@ -13,27 +13,35 @@ So as a region's forward starts, hyperac takes a shallow snapshot of the Python 
 the attributes in the ``__dict__`` of every module the region runs (its own, and the modules it is given
 as arguments or holds other than as registered children, found up to three levels down through lists,
 tuples, dicts, sets, deques and plain objects; ``nn.Module``'s own bookkeeping excluded, ``training``
-included) and whether their parameters require grad (one frozen between forward and backward was
-recorded requiring it); what the forward hooks and pre-hooks of those modules, and those registered for every module
-(``register_module_forward_hook``), hold (closure variables, a hook object, a bound hook's owner, and
-one level into each); and the non-tensor arguments. One level into each value that is a ``list``,
-``dict``, ``set``, ``deque`` or plain object (its ``__dict__`` or ``__slots__``), through a weak
-reference to one, and where each random generator found there stands (torch's, ``random.Random``,
-numpy's), as do the global ones behind ``random.random()`` and ``np.random.rand()``. Objects of torch
-and of hyperac itself are left as they are: the planner's profiler hooks layers to see every replay run.
-A replay first puts back every entry that differs from the snapshot (by identity, so tensors are never
-compared by value; generators by state), runs, and then puts back what was there before it (the
-forward's own change, and whatever happened since): the forward changed the state once, and the replay
-read what the forward read. The snapshot holds references to the values it saw (no copies) until the
-region's backward is done.
+included), whether their parameters require grad (one frozen between forward and backward was recorded
+requiring it) and the user's hooks in their forward hook tables (a hook registered lazily on the first
+call, or removed by the forward or between forward and backward, is as the forward had it); what the
+forward hooks and pre-hooks of those modules, and those registered for every module
+(``register_module_forward_hook``), hold (closure variables, the functions found there and what their
+closures hold, a hook object, a bound hook's owner); and the non-tensor arguments. Of each value found
+so, its contents and one level into what it holds: a ``list``, ``dict``, ``set``, ``deque`` or plain
+object (its ``__dict__`` or ``__slots__``), also behind a ``weakref`` or ``weakref.proxy``, a bound
+method or a ``functools.partial``; and where each random generator found there stands (torch's,
+``random.Random``, numpy's), as do the global ones behind ``random.random()`` and ``np.random.rand()``.
+Objects and hooks of torch and of hyperac itself are left as they are: the planner's profiler hooks
+layers to see every replay run. A replay first puts back every entry that differs from the snapshot (by
+identity, so tensors are never compared by value; generators by state), runs, and then puts back what
+was there before it (the forward's own change, and whatever happened since): the forward changed the
+state once, and the replay read what the forward read. One exception: an attribute the forward turned
+into a sub-module, parameter or buffer (``self.proj = None``, built on the first call) stays the one the
+forward built. The snapshot holds references to the values it saw (no copies) until the region's
+backward is done.
 
-Not reached: module-level globals (a hook appending to a global list), objects two levels below a
-module attribute (``self.a.b.c += 1``), a module behind a ``weakref``, iterators (``itertools.count``),
-in-place writes into a tensor held as a plain attribute, and side effects outside Python (printing,
-logging, files). A forward that branches on such state so that its replay runs other ops or saves other
-tensors is caught: every mode checks its replay and raises :class:`~hyperac.RecomputeMismatchError`
-(replay_check.py, NOTE [Every replay is checked]). One that reads such state as a number trains with the
-replay's value: the docs say so.
+Not reached: module-level globals (a hook appending to a global list), class attributes
+(``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak
+reference, iterators (``itertools.count``), in-place writes into a tensor or numpy array held as a plain
+attribute, hooks registered for every module between forward and backward, and side effects outside
+Python (printing, logging, files). A forward that branches on such state so that its replay runs other
+ops or saves other tensors is caught: every mode checks its replay and raises
+:class:`~hyperac.RecomputeMismatchError` (replay_check.py, NOTE [Every replay is checked]). One that
+reads such state as a number trains with the replay's value: the docs say so. A forward that builds a
+sub-module on its first call runs ops its replay does not: ``full`` is exact, the selective modes raise
+:class:`~hyperac.RecomputeMismatchError` (run one forward before training, or give that layer ``full``).
 """
 
 from __future__ import annotations
@@ -85,7 +93,10 @@ planner's profiler and the meters hook layers to see every replay run, NOTE [Pyt
 def _plain(value: Any) -> bool:
     """Whether ``value``'s state is the user's: not a builtin (a number, a string; containers are read as
     such), a torch or hyperac object, a function, a class or a module."""
-    kind = type(value)
+    return _plain_kind(type(value))
+
+
+def _plain_kind(kind: type) -> bool:
     package = kind.__module__.partition(".")[0]
     return package != "builtins" and package not in _WATCHERS and not issubclass(kind, _OPAQUE)
 
@@ -143,34 +154,45 @@ def _modules_in(value: Any, visited: set[int], depth: int = _MODULE_DEPTH) -> li
     if depth == 0 or id(value) in visited:
         return []
     visited.add(id(value))
+    return [module for item in _items_of(value) for module in _modules_in(item, visited, depth - 1)]
+
+
+def _items_of(value: Any) -> Iterable[Any]:
+    """What a list, tuple, set, deque, dict (its values) or plain object (its attributes) holds, numbers
+    and strings left out."""
+    kind = type(value)
     if issubclass(kind, (list, tuple, set, frozenset, collections.deque)):
         items: Iterable[Any] = value
     elif issubclass(kind, dict):
         items = value.values()
     else:
         items = (_state_of(value) or _slots_of(value) or {}).values()
-    return [module for item in items if type(item) not in _ATOMS for module in _modules_in(item, visited, depth - 1)]
+    return [item for item in items if type(item) not in _ATOMS]
+
+
+def _users(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is the user's: not a function or object of torch's or hyperac's (``_WATCHERS``),
+    seen through ``functools.partial`` and bound methods."""
+    while type(hook) is functools.partial:
+        hook = hook.func
+    if type(hook) is types.MethodType:
+        hook = hook.__self__
+    module = hook.__module__ if type(hook) is types.FunctionType else type(hook).__module__
+    return (module or "").partition(".")[0] not in _WATCHERS
 
 
 def _hook_holders(hooks: Iterable[Callable[..., Any]]) -> Iterator[Any]:
-    """What forward hooks and pre-hooks hold: the cells of their closures, their bound ``self``, the
-    arguments of a ``functools.partial``, the hook itself where it is an object with ``__call__`` (a
-    recorder keeping what it saw). Not the cells of torch's and hyperac's own functions (``_WATCHERS``)."""
-    for hook in hooks:
-        held: list[Any] = []
+    """What the user's forward hooks and pre-hooks hold (:func:`_users`): the hook itself (a function,
+    whose closure is followed, or an object with ``__call__``, a recorder keeping what it saw), its bound
+    ``self``, the arguments of a ``functools.partial``."""
+    for hook in filter(_users, hooks):
         while type(hook) is functools.partial:
-            held += (*hook.args, *hook.keywords.values())
+            yield from (*hook.args, *hook.keywords.values())
             hook = hook.func
         if type(hook) is types.MethodType:
-            held.append(hook.__self__)
+            yield hook.__self__
             hook = hook.__func__
-        if type(hook) is types.FunctionType:
-            if (hook.__module__ or "").partition(".")[0] in _WATCHERS:
-                continue
-            held += hook.__closure__ or ()
-        else:
-            held.append(hook)
-        yield from held
+        yield hook
 
 
 def _global_hooks() -> list[Callable[..., Any]]:
@@ -239,10 +261,37 @@ class _Attributes(_Entry):
         return {name: state[name] for name in state.keys() - _MODULE_BOOKKEEPING}
 
     def put(self, values: dict[str, Any]) -> None:
+        """Set the attributes to ``values``, but for a name the forward has since made a sub-module,
+        parameter or buffer (``self.proj = None``, built on the first call): the replay uses the one the
+        forward built, as autograd recorded it, and builds no second one."""
         state = self.target.__dict__
         for name in state.keys() - _MODULE_BOOKKEEPING - values.keys():
             del state[name]
-        state.update(values)
+        registered = state["_modules"].keys() | state["_parameters"].keys() | state["_buffers"].keys()
+        state.update((name, value) for name, value in values.items() if name not in registered)
+
+
+class _Hooks(_Entry):
+    """The user's hooks in one of a module's forward hook tables, by handle id (torch's and hyperac's own
+    are left as they are): a hook the forward removed (a one-shot calibration hook) or registered (lazily,
+    on its first call), or one removed between forward and backward, is as it was for the replay. One put
+    back goes after the hooks the table holds."""
+
+    __slots__ = ()
+
+    def now(self) -> dict[int, Any]:
+        return {key: hook for key, hook in self.target.items() if _users(hook)}
+
+    def put(self, hooks: dict[int, Any]) -> None:
+        table = self.target
+        for key in [key for key, hook in table.items() if key not in hooks and _users(hook)]:
+            del table[key]
+        table.update(hooks)
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+"""The tables of a module's forward hooks and of their ``with_kwargs`` / ``always_call`` flags (by handle id)."""
 
 
 class _RequiresGrad(_Entry):
@@ -388,10 +437,13 @@ class PythonState:
         attributes = _Attributes(module)
         self.entries.append(attributes)
         self.entries.extend(map(_RequiresGrad, module.parameters(recurse=False)))
+        self.entries.extend(_Hooks(getattr(module, name)) for name in _HOOK_TABLES)
+        for name in _HOOK_FLAGS:
+            self._add_contents(getattr(module, name))
         held = []
         for value in attributes.values.values():
             held.extend(_modules_in(value, walked))
-            self._add_contents(value)
+            self._add_deep(value)
         for value in _hook_holders((*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
             self._add_held(value)
         return held
@@ -401,9 +453,14 @@ class PythonState:
         model a ``self.seen.append`` hook closes over), or the value and one level into what it holds (a
         hook object's list of what it recorded, also where the object is a module's attribute as well)."""
         kind = type(value)
-        if id(value) in self.seen and (kind is types.CellType or issubclass(kind, nn.Module)):
+        if id(value) in self.seen and (kind in (types.CellType, types.FunctionType) or issubclass(kind, nn.Module)):
             return
-        if kind is types.CellType:
+        if kind is types.FunctionType:  # a function a hook calls or is: what its closure holds
+            self.seen.add(id(value))
+            if _users(value):
+                for cell in value.__closure__ or ():
+                    self._add_held(cell)
+        elif kind is types.CellType:
             self.seen.add(id(value))
             cell = _Cell(value)
             self.entries.append(cell)
@@ -414,11 +471,16 @@ class PythonState:
             attributes = _Attributes(value)
             self.entries.append(attributes)
             for item in attributes.values.values():
-                self._add_contents(item)
+                self._add_deep(item)
         else:
-            self._add_contents(value)
-            for item in (_state_of(value) or {}).values():
-                self._add_contents(item)
+            self._add_deep(value)
+
+    def _add_deep(self, value: Any) -> None:
+        """``value``'s contents and one level into what it holds: a hook object's list of what it
+        recorded, ``self.a.b`` (``self.a.b.c += 1``), a dict of lists (``stats[name].append(...)``)."""
+        self._add_contents(value)
+        for item in _items_of(value):
+            self._add_contents(item)
 
     def _add_contents(self, value: Any) -> None:
         """One level into ``value``: what a list, dict, set or plain object holds (not a module: its
@@ -429,8 +491,23 @@ class PythonState:
         if _is_generator(value):
             self.entries.append(_Generator(value))
             return
-        if issubclass(type(value), weakref.ref):
+        kind = type(value)
+        if issubclass(kind, weakref.ref):
             self._add_contents(value())  # what the weak reference points at, while it lives
+            return
+        if kind in (weakref.ProxyType, weakref.CallableProxyType):
+            try:  # a proxy answers for its referent: its class, its __dict__
+                if _plain_kind(value.__class__):
+                    self._add_contents(value.__dict__)
+            except (ReferenceError, AttributeError):  # dead, or no __dict__
+                pass
+            return
+        if kind in (types.MethodType, types.BuiltinMethodType):
+            self._add_contents(value.__self__)  # self.coin = random.Random(0).random
+            return
+        if kind is functools.partial:
+            for item in (value.func, *value.args, *value.keywords.values()):
+                self._add_contents(item)
             return
         contents = _contents(value)
         if contents is not _MISSING:

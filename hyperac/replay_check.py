@@ -50,9 +50,10 @@ __all__ = ["cast_of_a_leaf", "divergence", "full_replay_contexts"]
 
 _LIKELY_CAUSES = (
     "The layer's training forward reads state that changed between its forward and its replay and that hyperac "
-    "does not restore (NOTE [Python state in the replay]): a module-level global, an object two levels below a "
-    "module attribute, Python's random module, an in-place write into a tensor held as a plain attribute; so "
-    "running it again takes another path"
+    "does not restore (NOTE [Python state in the replay]): a module-level global, a class attribute, an object "
+    "three levels below a module attribute, an iterator, an in-place write into a tensor or array held as a plain "
+    "attribute; so running it again takes another path. Or it built a sub-module or parameter on its first call, "
+    "which the replay does not build again: run one forward before hyperac.apply"
 )
 
 

@@ -11,6 +11,8 @@ each drawn feature:
 * ``hook_object``: a forward hook that is an object counting its calls and scaling by the count;
 * ``slots_state``: a ``@dataclass(slots=True)`` temperature the forward lowers and scales by;
 * ``python_random``: a scale drawn from Python's global ``random`` (seeded by the loss);
+* ``lazy_hook``: a hook the forward registers on its first call, behind a flag;
+* ``one_shot_hook``: a calibration hook that records a scale, removed by the forward once it ran;
 * ``counter_value`` / ``counter_branch``: a Python attribute counting calls, used as a value or
   branched on;
 * ``aux_list``: an MoE-style auxiliary loss appended to a list the parent owns and adds to the loss;
@@ -50,7 +52,7 @@ from transformers.utils import ModelOutput
 FEATURES = (
     "autocast", "hook_record", "hook_scale", "counter_value", "counter_branch", "aux_list", "tensor_attribute",
     "borrowed_norm", "held_linear", "parametrized", "nested_checkpoint", "data_branch", "float64", "view_write",
-    "hook_object", "slots_state", "python_random",
+    "hook_object", "slots_state", "python_random", "lazy_hook", "one_shot_hook",
 )
 PARAMETRIZATIONS = ("orthogonal", "weight_norm", "spectral_norm")
 OUTPUTS = ("tensor", "tuple", "dict", "model_output")
@@ -98,6 +100,12 @@ class FeatureBlock(nn.Module):
         if "hook_object" in features:
             self.first.register_forward_hook(CountingHook())
         self.temperature = Temperature()
+        self.hooked = False
+        self.amax: float | None = None
+        self.calibration = self.second.register_forward_hook(self._calibrate) if "one_shot_hook" in features else None
+
+    def _calibrate(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        self.amax = out.detach().abs().amax().item() + 1
 
     def _inner(self, x: torch.Tensor) -> torch.Tensor:
         if "parametrized" in self.features:
@@ -110,6 +118,9 @@ class FeatureBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> Any:
         self.calls += 1
+        if "lazy_hook" in self.features and not self.hooked:
+            self.first.register_forward_hook(lambda module, args, out: out * 0.5)
+            self.hooked = True
         if "nested_checkpoint" in self.features:
             h = torch.utils.checkpoint.checkpoint(self._inner, x, use_reentrant=False)
         else:
@@ -128,6 +139,11 @@ class FeatureBlock(nn.Module):
                 h = self.second(h).float() + self.second(x).float() * 0.5
         else:
             h = self.second(h)
+        if self.calibration is not None:
+            self.calibration.remove()
+            self.calibration = None
+        if self.amax is not None:
+            h = h / self.amax
         if "view_write" in self.features:
             h = h * 2
             h.transpose(1, 2)[:, 0].sigmoid_()

@@ -150,8 +150,8 @@ def test_every_private_torch_piece_is_probed_and_present():
         assert piece in names, piece
 
 
-_HOOK_TABLES = ("nn.Module._forward_pre_hooks, _forward_hooks (read), their global tables; RemovableHandle "
-                "copied with the module")
+_HOOK_TABLES = ("nn.Module._forward_pre_hooks, _forward_hooks (read), their with_kwargs / always_called flags and "
+                "global tables; RemovableHandle copied with the module")
 
 
 @pytest.mark.parametrize(("name", "breaks"), [

@@ -278,6 +278,128 @@ def test_a_replay_after_model_eval_runs_as_its_training_forward_did(mode):
     assert all(torch.equal(a, b) for a, b in zip(expected, train_then_eval(model), strict=True))
 
 
+class Collector:
+    """What a parent gives its layers to register with (``self.layers.append(...)``, two levels down)."""
+
+    def __init__(self) -> None:
+        self.layers: list[nn.Module] = []
+
+
+class Habit(nn.Module):
+    """Python a user's layer runs once, or holds in a way one level of snapshot does not reach."""
+
+    def __init__(self, habit: str, collector: Collector) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(D, D), nn.Linear(D, D)
+        self.habit, self.collector = habit, collector
+        self.registered = False
+        self.amax: float | None = None
+        self.handle = self.first.register_forward_hook(self._calibrate) if habit == "one_shot_hook" else None
+        self.nested = types.SimpleNamespace(inner=types.SimpleNamespace(calls=0))
+
+    def _calibrate(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        self.amax = out.detach().abs().max().item()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0
+        if self.habit == "lazy_registry" and not self.registered:  # register with the parent on the first call
+            self.collector.layers.append(self)
+            self.registered = True
+        elif self.habit == "lazy_hook" and not self.registered:  # add a hook on the first call
+            self.first.register_forward_hook(lambda module, args, out: out * 0.5)
+            self.registered = True
+        elif self.habit == "bound_method_generator":
+            if "coin" not in self.__dict__:  # made by the first forward, so that deepcopies do not share it
+                self.coin = random.Random(3).random  # a generator held only through a bound method
+            scale = 0.5 + self.coin()
+        elif self.habit == "weakref_proxy":
+            if "owner" not in self.__dict__:
+                _OWNERS.append(Owner())
+                self.owner = weakref.proxy(_OWNERS[-1])
+            self.owner.calls += 1
+            scale = float(self.owner.calls)
+        elif self.habit == "nested_object":
+            self.nested.inner.calls += 1
+            scale = float(self.nested.inner.calls)
+        h = self.first(x) * scale
+        if self.handle is not None:  # a one-shot calibration hook, removed once it ran
+            self.handle.remove()
+            self.handle = None
+        if self.amax is not None:
+            h = h / self.amax
+        h = torch.tanh(h)
+        self.aux = h.square().mean()
+        return x + self.second(h)
+
+
+class Habits(nn.Module):
+    def __init__(self, habit: str) -> None:
+        super().__init__()
+        self.collector = Collector()
+        self.embed = nn.Linear(D, D)
+        self.layers = nn.ModuleList(Habit(habit, self.collector) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean() + 0.1 * sum(layer.aux for layer in self.collector.layers)
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+@pytest.mark.parametrize("habit", ["lazy_registry", "lazy_hook", "one_shot_hook", "bound_method_generator",
+                                   "weakref_proxy", "nested_object"])
+def test_python_a_layer_runs_once_or_holds_deeper_is_as_the_forward_left_it(habit, mode):
+    """A flag-guarded first-call setup (registering with the parent, adding a hook) and a hook the forward
+    removes must not run again, or go missing, in the replay (the flag is put back: so are the hook tables
+    and the parent's list); a generator behind a bound method, an object behind a weakref.proxy and
+    ``self.a.b.c += 1`` are part of the snapshot."""
+    _parity(lambda: Habits(habit), mode, layers="layers")
+    model = Habits(habit)
+    hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+    train(model, "plain", _input)
+    assert len(model.collector.layers) == (2 if habit == "lazy_registry" else 0)
+    assert [len(layer.first._forward_hooks) for layer in model.layers] == [int(habit == "lazy_hook")] * 2
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_a_hook_removed_between_forward_and_backward_runs_in_the_replay(mode):
+    """Register, forward, remove (a steering vector added for one forward): the replay runs with it, as
+    the forward did. torch.utils.checkpoint replays without it and gives other gradients."""
+    def steered(model: nn.Module) -> torch.Tensor:
+        vector = torch.full((D,), 0.5)
+        handles = [layer[0].register_forward_hook(lambda module, args, out: out + vector) for layer in model.layers]
+        loss = _input(model)
+        for handle in handles:
+            handle.remove()
+        return loss
+
+    _parity(lambda: Stack([nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(2)]), mode, steered,
+            layers="layers")
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_a_hook_appending_to_a_dict_of_lists_records_each_forward_once(mode):
+    """``stats = defaultdict(list)``; a hook per Linear appends to ``stats[name]`` (two levels below the
+    model the hook closes over)."""
+    def recorded(apply: bool) -> dict[str, int]:
+        torch.manual_seed(0)
+        model = Stack([nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(2)])
+        model.stats = collections.defaultdict(list)
+
+        def recorder(name: str) -> Callable:
+            return lambda module, args, out: model.stats[name].append(out.detach().mean())
+
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(recorder(name))
+        if apply:
+            hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+        train(model, "plain", _input, steps=3)
+        return {name: len(values) for name, values in model.stats.items()}
+
+    assert recorded(apply=True) == recorded(apply=False) == {"embed": 3, "layers.0.0": 3, "layers.1.0": 3}
+
+
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
 def test_a_parameter_frozen_between_forward_and_backward_is_replayed_as_recorded(mode):
     """``requires_grad_(False)`` after the forward (a freezing schedule run from a callback): the graph was
