@@ -97,7 +97,7 @@ def _plain(value: Any) -> bool:
 
 
 def _plain_kind(kind: type) -> bool:
-    package = kind.__module__.partition(".")[0]
+    package = (kind.__module__ or "").partition(".")[0]
     return package != "builtins" and package not in _WATCHERS and not issubclass(kind, _OPAQUE)
 
 
@@ -272,39 +272,54 @@ class _Attributes(_Entry):
 
 
 class _Hooks(_Entry):
-    """The user's hooks in one of a module's forward hook tables, by handle id (torch's and hyperac's own
-    are left as they are): a hook the forward removed (a one-shot calibration hook) or registered (lazily,
-    on its first call), or one removed between forward and backward, is as it was for the replay. One put
-    back goes after the hooks the table holds."""
+    """The user's forward hooks and pre-hooks of a module, with their ``with_kwargs`` / ``always_call``
+    flags, by handle id (torch's and hyperac's own are left as they are): a hook the forward removed (a
+    one-shot calibration hook) or registered (lazily, on its first call), or one removed between forward
+    and backward, is as it was for the replay. One put back goes after the hooks its table holds."""
 
     __slots__ = ()
 
-    def now(self) -> dict[int, Any]:
-        return {key: hook for key, hook in self.target.items() if _users(hook)}
+    def now(self) -> tuple[tuple[str, int, Any, tuple[bool, ...]], ...]:
+        module = self.target
+        return tuple((table, key, hook, tuple(key in getattr(module, flag) for flag in flags))
+                     for table, flags in _HOOK_TABLES.items()
+                     for key, hook in getattr(module, table).items() if _users(hook))
 
-    def put(self, hooks: dict[int, Any]) -> None:
-        table = self.target
-        for key in [key for key, hook in table.items() if key not in hooks and _users(hook)]:
-            del table[key]
-        table.update(hooks)
+    def put(self, hooks: tuple[tuple[str, int, Any, tuple[bool, ...]], ...]) -> None:
+        module = self.target
+        kept = {(table, key) for table, key, _, _ in hooks}
+        for table, flags in _HOOK_TABLES.items():
+            entries = getattr(module, table)
+            for key in [key for key, hook in entries.items() if (table, key) not in kept and _users(hook)]:
+                del entries[key]
+                for flag in flags:
+                    getattr(module, flag).pop(key, None)
+        for table, key, hook, marks in hooks:
+            getattr(module, table)[key] = hook
+            for flag, marked in zip(_HOOK_TABLES[table], marks):
+                if marked:
+                    getattr(module, flag)[key] = True
+                else:
+                    getattr(module, flag).pop(key, None)
 
 
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
-_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-"""The tables of a module's forward hooks and of their ``with_kwargs`` / ``always_call`` flags (by handle id)."""
+_HOOK_TABLES = {"_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+                "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")}
+"""A module's forward hook tables, each with the tables of its hooks' flags (by handle id)."""
 
 
 class _RequiresGrad(_Entry):
-    """Whether a parameter of a module the region runs requires grad (a parameter frozen between the
-    forward and the backward was recorded requiring it)."""
+    """Whether each parameter of a module the region runs requires grad (a parameter frozen between the
+    forward and the backward was recorded requiring it): ``target`` is the parameters."""
 
     __slots__ = ()
 
-    def now(self) -> bool:
-        return self.target.requires_grad
+    def now(self) -> tuple[bool, ...]:
+        return tuple(parameter.requires_grad for parameter in self.target)
 
-    def put(self, flag: bool) -> None:
-        self.target.requires_grad_(flag)
+    def put(self, flags: tuple[bool, ...]) -> None:
+        for parameter, flag in zip(self.target, flags):
+            parameter.requires_grad_(flag)
 
 
 class _Cell(_Entry):
@@ -436,10 +451,10 @@ class PythonState:
         modules among its attributes."""
         attributes = _Attributes(module)
         self.entries.append(attributes)
-        self.entries.extend(map(_RequiresGrad, module.parameters(recurse=False)))
-        self.entries.extend(_Hooks(getattr(module, name)) for name in _HOOK_TABLES)
-        for name in _HOOK_FLAGS:
-            self._add_contents(getattr(module, name))
+        parameters = tuple(module.parameters(recurse=False))
+        if parameters:
+            self.entries.append(_RequiresGrad(parameters))
+        self.entries.append(_Hooks(module))
         held = []
         for value in attributes.values.values():
             held.extend(_modules_in(value, walked))
@@ -478,6 +493,8 @@ class PythonState:
     def _add_deep(self, value: Any) -> None:
         """``value``'s contents and one level into what it holds: a hook object's list of what it
         recorded, ``self.a.b`` (``self.a.b.c += 1``), a dict of lists (``stats[name].append(...)``)."""
+        if type(value) in _ATOMS or id(value) in self.seen:
+            return
         self._add_contents(value)
         for item in _items_of(value):
             self._add_contents(item)
@@ -485,7 +502,7 @@ class PythonState:
     def _add_contents(self, value: Any) -> None:
         """One level into ``value``: what a list, dict, set or plain object holds (not a module: its
         attributes are snapshotted where it is found to run)."""
-        if id(value) in self.seen or issubclass(type(value), nn.Module):
+        if type(value) in _ATOMS or id(value) in self.seen or issubclass(type(value), nn.Module):
             return
         self.seen.add(id(value))
         if _is_generator(value):
