@@ -431,7 +431,7 @@ class PythonState:
             if issubclass(type(leaf), torch.Tensor):
                 continue
             found.extend(_modules_in(leaf, walked))
-            self._add_contents(leaf)
+            self._add_deep(leaf)
         for module in own:
             found.extend(self._add_module(module, walked))
         for value in _hook_holders(_global_hooks()):
@@ -447,8 +447,8 @@ class PythonState:
                     self._add_module(module, walked)
 
     def _add_module(self, module: nn.Module, walked: set[int]) -> list[nn.Module]:
-        """Snapshot ``module``'s attributes, one level into them, and what its hooks hold; returns the
-        modules among its attributes."""
+        """Snapshot ``module``'s attributes (each with :meth:`_add_deep`), its parameters' ``requires_grad``,
+        its hook tables and what its hooks hold; returns the modules among its attributes."""
         attributes = _Attributes(module)
         self.entries.append(attributes)
         parameters = tuple(module.parameters(recurse=False))
