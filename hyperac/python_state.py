@@ -340,37 +340,35 @@ class _Cell(_Entry):
             self.target.cell_contents = value
 
 
-class _Contents:
-    """What a list, dict, set or plain object holds."""
+class _Contents(_Entry):
+    """What a list, dict, set, deque or plain object holds (``values`` is ``_MISSING`` for a value that
+    holds nothing hyperac restores)."""
 
-    __slots__ = ("value", "values")
-
-    def __init__(self, value: Any, contents: Any) -> None:
-        self.value, self.values = value, contents
+    __slots__ = ()
 
     def now(self) -> Any:
-        return _contents(self.value)
+        return _contents(self.target)
 
     def put(self, contents: Any) -> None:
-        kind = type(self.value)
+        kind = type(self.target)
         if issubclass(kind, list):
-            self.value[:] = contents
+            self.target[:] = contents
         elif issubclass(kind, collections.deque):
-            self.value.clear()
-            self.value.extend(contents)
+            self.target.clear()
+            self.target.extend(contents)
         elif issubclass(kind, (dict, set)):
-            self.value.clear()
-            self.value.update(contents)
-        elif (state := _state_of(self.value)) is not None:
+            self.target.clear()
+            self.target.update(contents)
+        elif (state := _state_of(self.target)) is not None:
             state.clear()
             state.update(contents)
         else:
             for name, item in contents.items():
                 if item is _MISSING:
-                    if _slot(self.value, name) is not _MISSING:
-                        object.__delattr__(self.value, name)
+                    if _slot(self.target, name) is not _MISSING:
+                        object.__delattr__(self.target, name)
                 else:
-                    object.__setattr__(self.value, name, item)
+                    object.__setattr__(self.target, name, item)
 
 
 class _Generator(_Entry):
@@ -420,7 +418,7 @@ class PythonState:
     """
 
     def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
-        self.entries: list[_Entry | _Contents] = []
+        self.entries: list[_Entry] = []
         self.seen: set[int] = set()
         self.displaced: list[list[tuple[Any, Any]]] = []
         own = list(modules)
@@ -526,9 +524,9 @@ class PythonState:
             for item in (value.func, *value.args, *value.keywords.values()):
                 self._add_contents(item)
             return
-        contents = _contents(value)
-        if contents is not _MISSING:
-            self.entries.append(_Contents(value, contents))
+        contents = _Contents(value)
+        if contents.values is not _MISSING:
+            self.entries.append(contents)
 
     def put_back(self) -> list[tuple[Any, Any]]:
         """Make the state what it was when this snapshot was taken; returns what it displaced."""

@@ -125,6 +125,13 @@ class Owner:
 _OWNERS: list[Owner] = []
 
 
+def _kept_owner() -> Owner:
+    """A new :class:`Owner`, kept alive by ``_OWNERS``; made by a layer's first forward, so that deepcopies
+    of the layer do not share it."""
+    _OWNERS.append(Owner())
+    return _OWNERS[-1]
+
+
 class Stateful(nn.Module):
     """State a forward changes, held where a user puts it: a hook object, a bound hook's owner, a slots
     dataclass, a deque, a BatchNorm in a plain object (or in a list in one), a generator it draws from
@@ -166,9 +173,8 @@ class Stateful(nn.Module):
         elif self.holder == "numpy_generator":
             h = h * float(self.numpy_generator.random())
         elif self.holder == "weakref":
-            if "owner" not in self.__dict__:  # made by the first forward, so that deepcopies do not share it
-                _OWNERS.append(Owner())
-                self.owner = weakref.ref(_OWNERS[-1])
+            if "owner" not in self.__dict__:
+                self.owner = weakref.ref(_kept_owner())
             owner = self.owner()
             owner.calls += 1
             h = h * owner.calls
@@ -314,8 +320,7 @@ class Habit(nn.Module):
             scale = 0.5 + self.coin()
         elif self.habit == "weakref_proxy":
             if "owner" not in self.__dict__:
-                _OWNERS.append(Owner())
-                self.owner = weakref.proxy(_OWNERS[-1])
+                self.owner = weakref.proxy(_kept_owner())
             self.owner.calls += 1
             scale = float(self.owner.calls)
         elif self.habit == "nested_object":
