@@ -515,9 +515,9 @@ def _example_names(found: list[Layer], modes: list[str]) -> list[str]:
 def _modes_from_plan(plan: Plan, found: list[Layer]) -> list[str]:
     if [layer.fqn for layer in plan.layers] != [layer.fqn for layer in found]:
         raise ConfigError(
-            f"Config.plan names layers {[layer.fqn for layer in plan.layers][:3]}... ({len(plan.layers)} in all), "
-            f"but this model has {[layer.fqn for layer in found][:3]}... ({len(found)}); apply a plan to the model "
-            "(or an identical one) it was made for."
+            f"Config.plan['layers'] have 'fqn' {[layer.fqn for layer in plan.layers][:3]}... ({len(plan.layers)} in "
+            f"all), but this model has {[layer.fqn for layer in found][:3]}... ({len(found)}); apply a plan to the "
+            "model (or an identical one) it was made for."
         )
     return [layer.mode for layer in plan.layers]
 

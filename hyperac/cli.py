@@ -155,25 +155,28 @@ def _host_budget_bytes(args: argparse.Namespace) -> int | None:
     return args.host_budget if args.host_budget is not None else default_host_budget()
 
 
-def _print_plan(estimate: Any, chosen: list[str], host_budget: int | None, why_not: str) -> None:
-    """The plan per layer (mode, and what it swaps: bytes and copy time not hidden by compute), and
-    the swap totals."""
-    from .planner.cost import split_option
-
+def _print_plan(estimate: Any, chosen: list[str], layers: tuple[Any, ...], host_budget: int | None,
+                why_not: str) -> None:
+    """The plan per layer as ``--output`` writes it (``layers``: its :class:`~hyperac.LayerPlan` entries,
+    mode and swap), what each swapping layer moves (bytes, and copy time not hidden by compute) under
+    the solver's option ``chosen``, and the swap totals."""
     print(f"{'#':>4}  {'layer':<28}  {'mode':<14}  swap to host")
-    for position, (layer, option) in enumerate(zip(estimate.layers, chosen)):
-        mode, swaps = split_option(option)
-        moved = (f"{estimate.offload_bytes(position, option) / 2**20:.2f} MiB, "
-                 f"{estimate.exposed_copy_seconds(position, option) * 1e3:.3f} ms exposed") if swaps else "-"
-        print(f"{layer.index:>4}  {layer.fqn:<28}  {'swap' if option == 'swap' else mode:<14}  {moved}")
+    for position, layer in enumerate(layers):
+        moved = (f"{estimate.offload_bytes(position, chosen[position]) / 2**20:.2f} MiB, "
+                 f"{estimate.exposed_copy_seconds(position, chosen[position]) * 1e3:.3f} ms exposed"
+                 ) if layer.swap else "-"
+        print(f"{layer.index:>4}  {layer.fqn:<28}  {layer.mode:<14}  {moved}")
     if host_budget is None:
         print(f"swap: not offered ({why_not})")
         return
-    swapping = [p for p, option in enumerate(chosen) if split_option(option)[1]]
+    swapping = [p for p, layer in enumerate(layers) if layer.swap]
     print(f"swap: {len(swapping)} layers move {sum(estimate.offload_bytes(p, chosen[p]) for p in swapping) / 2**30:.2f}"
           f" GiB to host at {estimate.link_bandwidth / 1e9:.0f} GB/s, "
           f"{sum(estimate.exposed_copy_seconds(p, chosen[p]) for p in swapping) * 1e3:.3f} ms of copies exposed; "
           f"pinned host {estimate.host_bytes(chosen) / 2**30:.2f} GiB of a {host_budget / 2**30:.2f} GiB host budget")
+    if any(layer.mode == "swap" and not layer.swap for layer in layers):
+        print("note: a swap layer that moves nothing (-) is the last of the swap chain: its backward comes first, so "
+              "its tensors stay on the device")
 
 
 def _model_and_samples(args: argparse.Namespace) -> tuple[torch.nn.Module, Callable[[int], Any], str]:
@@ -213,19 +216,27 @@ def _estimates(args: argparse.Namespace, model: torch.nn.Module, sample_at: Call
     return fitted_estimates(estimate_at, args.seq, bucket_bounds(args.max_seq_len, args.length_buckets))
 
 
-def _write_plan(path: str, model: torch.nn.Module, resolved: tuple[list[str], list[bool], dict[str, Any]],
-                args: argparse.Namespace, buckets: tuple) -> None:
-    """``--output``: the plan as :meth:`hyperac.Plan.to_dict` writes it, for ``apply(model, plan=...)``;
-    ``resolved``: :func:`~hyperac.planner.auto.resolve_choice`'s modes, swaps and predictions."""
+def _plan_layers(model: torch.nn.Module, modes: list[str], swaps: list[bool]) -> tuple[Any, ...]:
+    """The plan's :class:`~hyperac.LayerPlan` entries, as ``apply`` records them, from
+    :func:`~hyperac.planner.auto.resolve_choice`'s modes and swap flags: what the table prints and
+    ``--output`` writes."""
     from .discovery import discover_layers
-    from .plan import LayerPlan, Plan
+    from .plan import LayerPlan
     from .planner.auto import last_swap
 
-    modes, swaps, predictions = resolved
     end = last_swap(swaps)  # the chain's last layer keeps its tensors: apply records it as not swapping
-    layers = tuple(LayerPlan(layer.index, layer.fqn, mode, () if mode in ("off", "swap") else (layer.fqn,), (),
-                             swap and i != end, layer.found_by)
-                   for i, (layer, mode, swap) in enumerate(zip(discover_layers(model), modes, swaps)))
+    return tuple(LayerPlan(layer.index, layer.fqn, mode, () if mode in ("off", "swap") else (layer.fqn,), (),
+                           swap and i != end, layer.found_by)
+                 for i, (layer, mode, swap) in enumerate(zip(discover_layers(model), modes, swaps)))
+
+
+def _write_plan(path: str, layers: tuple[Any, ...], predictions: dict[str, Any], args: argparse.Namespace,
+                buckets: tuple) -> None:
+    """``--output``: the plan as :meth:`hyperac.Plan.to_dict` writes it, for ``apply(model, plan=...)``;
+    ``predictions``: :func:`~hyperac.planner.auto.resolve_choice`'s."""
+    from .plan import Plan
+
+    predictions = dict(predictions)
     notes = (f"planned by hyperac plan for {args.device}", *predictions.pop("notes"))
     shape = None if args.max_seq_len is None else (args.batch, args.max_seq_len)
     plan_ = Plan(backend=args.device, adapter="none", layers=layers, notes=notes, buckets=buckets, batch_shape=shape,
@@ -257,14 +268,16 @@ def plan(args: argparse.Namespace) -> int:
     resolved = resolve_choice(estimate, modes, budget_bytes, args.max_seq_len)
     buckets = () if args.max_seq_len is None else length_buckets(
         bucket_bounds(args.max_seq_len, args.length_buckets), estimates, modes, resolved[0], budget_bytes)
+    layers = _plan_layers(model, resolved[0], resolved[1])
     if args.output is not None:
-        _write_plan(args.output, model, resolved, args, buckets)
+        _write_plan(args.output, layers, resolved[2], args, buckets)
     print(estimate)
     length = "" if args.max_seq_len is None else (
         f", for batches up to sequence length {args.max_seq_len} (costs fitted from lengths {max(args.seq // 2, 1)} "
         f"and {args.seq})")
     print(f"\nplan for a budget of {budget_bytes / 2**30:.2f} GiB{length}:")
-    _print_plan(estimate, modes, host_budget, "--no-swap" if args.no_swap else "the cpu profile has no host link")
+    why_not = "--no-swap" if args.no_swap else "the cpu profile has no host link"
+    _print_plan(estimate, modes, layers, host_budget, why_not)
     print(f"predicted: peak {estimate.peak_bytes(modes) / 2**30:.2f} GiB (no recompute: {off / 2**30:.2f} GiB), "
           f"{estimate.total_bytes(modes) / 2**30:.2f} GiB kept for backward, step "
           f"{estimate.step_seconds(modes) * 1e3:.1f} ms on {args.device} (no recompute: "

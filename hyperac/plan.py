@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["MODE_LETTERS", "LayerPlan", "LengthBucket", "Plan", "mode_letters"]
+__all__ = ["MODE_LETTERS", "PLAN_FORMAT", "LayerPlan", "LengthBucket", "Plan", "mode_letters"]
 
 MODE_LETTERS = {"off": "o", "pointwise": "p", "selective": "s", "selective-even": "e", "full": "F", "swap": "w",
                 "knapsack-0.25": "2", "knapsack-0.5": "5", "knapsack-0.75": "7"}
@@ -19,6 +20,11 @@ knapsack mode is the first digit of its budget (``55oo``: budget 0.5 on layers 0
 def mode_letters(modes: Sequence[str]) -> str:
     """A plan's per-layer modes as one letter each (:data:`MODE_LETTERS`)."""
     return "".join(MODE_LETTERS[mode] for mode in modes)
+
+PLAN_FORMAT = 1
+"""The format version :meth:`Plan.to_dict` writes, as ``format_version``: :meth:`Plan.from_dict`
+reads it and every older one (a dict without it was written before versions were kept) and refuses a
+newer one (NOTE [Plan files])."""
 
 _PREDICTIONS = ("predicted_bytes", "predicted_peak_bytes", "predicted_step_seconds", "predicted_recompute_flops",
                 "predicted_swap_bytes", "budget_bytes", "max_seq_len")
@@ -113,33 +119,31 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """Rebuild a plan from :meth:`to_dict` output (e.g. read back from JSON or YAML).
+        """Rebuild a plan from :meth:`to_dict` output (e.g. read back from JSON or YAML), every field
+        checked (NOTE [Plan files]).
 
         Raises:
-            ConfigError: naming the first key or layer entry that is missing or wrong.
+            ConfigError: naming the first field that is missing, unknown or wrong, with its value and
+                what is allowed; or the plan was written by a newer hyperac.
         """
-        shape = "as Plan.to_dict() or `hyperac plan --output` writes it: {'backend': ..., 'layers': [{'index': 0, " \
-                "'fqn': 'model.layers.0', 'mode': 'full', ...}, ...]}"
-        for key, kind, name in (("backend", str, "string"), ("layers", (list, tuple), "list")):
-            if not isinstance(data.get(key), kind):
-                raise ConfigError(f"Config.plan is not a plan dict: {key!r} is missing or not a {name} (keys: "
-                                  f"{sorted(map(str, data))}); give one {shape}.")
-        layers = tuple(_layer_from_dict(position, layer, shape) for position, layer in enumerate(data["layers"]))
+        version = data.get("format_version") if isinstance(data, Mapping) else None
+        if isinstance(version, int) and not isinstance(version, bool) and version > PLAN_FORMAT:
+            raise ConfigError(f"Config.plan['format_version'] is {version}: the plan was written by a newer hyperac "
+                              f"(this one reads plan formats up to {PLAN_FORMAT}); upgrade hyperac (pip install -U "
+                              "hyperac), or write the plan again with this one.")
+        _check_fields(data, _PLAN_FIELDS, "Config.plan", "a plan dict")
+        layers = tuple(_layer_from_dict(position, layer) for position, layer in enumerate(data["layers"]))
         fields = {k: data[k] for k in _PREDICTIONS if k in data}
         buckets = tuple(_bucket_from_dict(position, bucket, len(layers), fields.get("max_seq_len"))
                         for position, bucket in enumerate(data.get("buckets", ())))
         bounds = [bucket.max_len for bucket in buckets]
-        if buckets and (any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in bounds)
-                        or bounds != sorted(set(bounds)) or bounds[-1] != fields["max_seq_len"]):
+        if buckets and (bounds != sorted(set(bounds)) or bounds[-1] != fields["max_seq_len"]):
             raise ConfigError(f"Config.plan['buckets'] have max_len {bounds!r}; give ints >= 1 in ascending order, "
-                              f"the last one max_seq_len ({fields['max_seq_len']!r}).")
-        batch, seq_dim = data.get("batch_shape"), data.get("seq_dim")
-        if seq_dim is not None and (isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0):
-            raise ConfigError(f"Config.plan['seq_dim'] is {seq_dim!r}; give the sequence dimension as an int >= 0 "
-                              "(1 for (batch, seq)), or None.")
+                              f"the last one Config.plan['max_seq_len'] ({fields['max_seq_len']!r}).")
+        batch = data.get("batch_shape")
         return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
                    notes=tuple(data.get("notes", ())), buckets=buckets,
-                   batch_shape=None if batch is None else tuple(batch), seq_dim=seq_dim, **fields)
+                   batch_shape=None if batch is None else tuple(batch), seq_dim=data.get("seq_dim"), **fields)
 
     def count(self, mode: str) -> int:
         return sum(1 for layer in self.layers if layer.mode == mode)
@@ -158,6 +162,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "format_version": PLAN_FORMAT,
             "backend": self.backend,
             "adapter": self.adapter,
             "layers": [layer.to_dict() for layer in self.layers],
@@ -221,35 +226,131 @@ class Plan:
         return lines
 
 
-def _layer_from_dict(position: int, layer: Any, shape: str) -> LayerPlan:
-    where = f"Config.plan['layers'][{position}]"
-    if not isinstance(layer, Mapping):
-        raise ConfigError(f"{where} is a {type(layer).__name__}, not a dict; give a plan dict {shape}.")
-    known = {field.name for field in dataclasses.fields(LayerPlan)}
-    missing = sorted({"index", "fqn", "mode"} - set(layer))
-    unknown = sorted(set(map(str, layer)) - known)
-    if missing or unknown:
-        wrong = f"lacks {missing}" if missing else f"has unknown keys {unknown}"
-        raise ConfigError(f"{where} {wrong}; each layer has {sorted(known)} (index, fqn and mode required).")
-    if layer["mode"] not in MODE_LETTERS:
-        raise ConfigError(f"{where}['mode'] is {layer['mode']!r}; a layer's mode is one of {sorted(MODE_LETTERS)}.")
+def _layer_from_dict(position: int, layer: Mapping[str, Any]) -> LayerPlan:
+    _check_fields(layer, _LAYER_FIELDS, f"Config.plan['layers'][{position}]", "a layer dict")
     return LayerPlan(**{**layer, "recomputed": tuple(layer.get("recomputed", ())),
                         "excluded": tuple(layer.get("excluded", ()))})
 
 
-def _bucket_from_dict(position: int, bucket: Any, count: int, max_seq_len: Any) -> LengthBucket:
+def _bucket_from_dict(position: int, bucket: Mapping[str, Any], count: int, max_seq_len: int | None) -> LengthBucket:
     where = f"Config.plan['buckets'][{position}]"
-    known = {field.name for field in dataclasses.fields(LengthBucket)}
-    if not isinstance(bucket, Mapping) or not {"max_len", "modes"} <= set(bucket) or set(map(str, bucket)) - known:
-        raise ConfigError(f"{where} is {bucket!r}; each bucket is a dict with 'max_len' and 'modes' (one per layer) "
-                          f"and optionally {sorted(known - {'max_len', 'modes'})}.")
+    _check_fields(bucket, _BUCKET_FIELDS, where, "a bucket dict")
     modes = tuple(bucket["modes"])
-    if len(modes) != count or any(mode not in MODE_LETTERS for mode in modes):
-        raise ConfigError(f"{where}['modes'] is {list(modes)!r}; give one mode per layer ({count}), each one of "
-                          f"{sorted(MODE_LETTERS)}.")
+    if len(modes) != count:
+        raise ConfigError(f"{where}['modes'] is {_shown(list(modes))}; give one mode per layer of "
+                          f"Config.plan['layers'] ({count}).")
     if max_seq_len is None:
         raise ConfigError(f"{where}: a plan with length buckets needs 'max_seq_len' (the last bucket's max_len).")
     return LengthBucket(**{**bucket, "modes": modes})
+
+
+# NOTE [Plan files]: a plan dict is what users keep, edit and load back (``hyperac plan --output``,
+# ``apply(plan=json.load(...))``), so every field of it, of its layers and of its length buckets is
+# checked as it is read, from one table per level below: a field's row says whether it is required,
+# what its value may be (a named check) and that in words. A wrong field is a ConfigError naming it,
+# its value and what is allowed, raised before the model is touched; a key no row has is refused
+# (a misspelt field would otherwise be dropped silently). Adding a field is one row (and the
+# dataclass field it fills). ``format_version`` (PLAN_FORMAT) is read first: a plan written by a newer
+# hyperac, whose fields this one may not know, is refused as such; one without it is older and reads.
+
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "string": lambda value: isinstance(value, str),
+    "bool": lambda value: isinstance(value, bool),
+    "checked apart": lambda value: True,  # a layer or bucket dict: checked against its own table
+    "mode": lambda value: isinstance(value, str) and value in MODE_LETTERS,
+    "int >= 0": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+    "int >= 1": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+    "number >= 0": lambda value: (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                  and math.isfinite(value) and value >= 0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One key of a plan dict (NOTE [Plan files]): its value passes ``check`` (a key of
+    :data:`_FIELD_CHECKS`), each item of it for ``sequence``, ``None`` too for ``optional``."""
+
+    check: str
+    allowed: str
+    sequence: bool = False
+    optional: bool = False
+    required: bool = False
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if not self.sequence:
+            return _FIELD_CHECKS[self.check](value)
+        return isinstance(value, (list, tuple)) and all(_FIELD_CHECKS[self.check](item) for item in value)
+
+
+_COUNT = _Field("int >= 0", "an int >= 0, or None", optional=True)
+_SECONDS = _Field("number >= 0", "a finite number >= 0, or None", optional=True)
+_NAMES = _Field("string", "a list of strings (dotted module names)", sequence=True)
+
+_PLAN_FIELDS = {
+    "format_version": _Field("int >= 1", f"an int >= 1 (this hyperac writes {PLAN_FORMAT})"),
+    "backend": _Field("string", "a string (the backend it was made on, e.g. 'cpu')", required=True),
+    "adapter": _Field("string", "a string (the adapter's name)"),
+    "layers": _Field("checked apart", "a list of layer dicts, one per layer", sequence=True, required=True),
+    "notes": _Field("string", "a list of strings", sequence=True),
+    "predicted_bytes": _COUNT,
+    "predicted_peak_bytes": _COUNT,
+    "predicted_step_seconds": _SECONDS,
+    "predicted_recompute_flops": _COUNT,
+    "predicted_swap_bytes": _COUNT,
+    "budget_bytes": _COUNT,
+    "max_seq_len": _Field("int >= 1", "an int >= 1, or None", optional=True),
+    "batch_shape": _Field("int >= 1", "a list of ints >= 1 (the shape of the sample's first tensor at max_seq_len), "
+                          "or None", sequence=True, optional=True),
+    "seq_dim": _Field("int >= 0", "the sequence dimension as an int >= 0 (1 for (batch, seq)), or None",
+                      optional=True),
+    "buckets": _Field("checked apart", "a list of bucket dicts, shortest first", sequence=True),
+}
+_LAYER_FIELDS = {
+    "index": _Field("int >= 0", "an int >= 0 (the layer's flat index)", required=True),
+    "fqn": _Field("string", "a string (the layer's dotted name)", required=True),
+    "mode": _Field("mode", f"one of {sorted(MODE_LETTERS)}", required=True),
+    "recomputed": _NAMES,
+    "excluded": _NAMES,
+    "swap": _Field("bool", "true or false"),
+    "found_by": _Field("string", "a string (how discovery found the layer)"),
+}
+_BUCKET_FIELDS = {
+    "max_len": _Field("int >= 1", "an int >= 1", required=True),
+    "modes": _Field("mode", f"a list of modes, each one of {sorted(MODE_LETTERS)}", sequence=True, required=True),
+    "predicted_peak_bytes": _COUNT,
+    "predicted_step_seconds": _SECONDS,
+    "predicted_bytes": _COUNT,
+    "predicted_recompute_flops": _COUNT,
+}
+
+
+_WRITTEN = "as Plan.to_dict() and `hyperac plan --output` write it"
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut after 100 characters (a list of 80 layers)."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
+
+
+def _check_fields(data: Any, fields: Mapping[str, _Field], where: str, what: str) -> None:
+    """Raise ConfigError unless ``data`` is a dict whose keys are ``fields``' (the required ones
+    included) and whose values each row accepts (NOTE [Plan files])."""
+    required = sorted(name for name, field in fields.items() if field.required)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} is a {type(data).__name__}, not a dict; give {what} with {required} (and "
+                          f"optionally {sorted(set(fields) - set(required))}), {_WRITTEN}.")
+    missing = [name for name in required if name not in data]
+    unknown = sorted(str(key) for key in data if key not in fields)
+    if missing or unknown:
+        wrong = f"lacks {missing}" if missing else f"has unknown keys {unknown}"
+        raise ConfigError(f"{where} {wrong}; {what} has {sorted(fields)} ({', '.join(required)} required), "
+                          f"{_WRITTEN}.")
+    for name, value in data.items():
+        if not fields[name].accepts(value):
+            raise ConfigError(f"{where}[{name!r}] is {_shown(value)}; give {fields[name].allowed}.")
 
 
 def _describe_targets(layer: LayerPlan) -> str:

@@ -89,11 +89,15 @@ def test_force_recompute_names_modules_of_the_default_plan():
     assert hyperac.applied_plan(model) is None
 
 
-@pytest.mark.parametrize("bounds", [(16, 8), (8, 8), ("8", 16), (8, 12)])
-def test_malformed_bucket_bounds_are_refused(bounds):
+@pytest.mark.parametrize(("bounds", "match"), [
+    *[(bounds, r"ascending order, the last one Config\.plan\['max_seq_len'\] \(16\)")
+      for bounds in [(16, 8), (8, 8), (8, 12)]],
+    (("8", 16), r"Config\.plan\['buckets'\]\[0\]\['max_len'\] is '8'; give an int >= 1\."),
+])
+def test_malformed_bucket_bounds_are_refused(bounds, match):
     plan = hyperac.apply(Stack(Block, 2), mode="full").to_dict()
     plan.update(max_seq_len=16, buckets=[{"max_len": n, "modes": ["full", "full"]} for n in bounds])
-    with pytest.raises(hyperac.ConfigError, match=r"ascending order, the last one max_seq_len \(16\)"):
+    with pytest.raises(hyperac.ConfigError, match=match):
         Plan.from_dict(plan)
 
 

@@ -245,11 +245,13 @@ def test_plan_preset_swaps_on_an_accelerator(runs):
 
 @pytest.fixture(scope="module")
 def wide_plans(files):
-    """``hyperac plan`` on a wide 3-layer Llama at budget 0.7 on h100, by default, with --no-swap,
-    with --device cpu and with a small --host-budget, as ``{name: (code, stdout, stderr)}``."""
+    """``hyperac plan`` on a wide 3-layer Llama at budget 0.7 on h100, by default (writing
+    ``wide_plan.json``), with --no-swap, with --device cpu and with a small --host-budget, as
+    ``{name: (code, stdout, stderr)}``."""
     (files / "wide.json").write_text(json.dumps(WIDE_LLAMA))
     base = ["plan", "--config", str(files / "wide.json"), "--seq", "2048", "--budget", "0.7"]
-    variants = {"h100": [], "no_swap": ["--no-swap"], "cpu": ["--device", "cpu"], "host": ["--host-budget", "8MiB"],
+    variants = {"h100": ["--output", str(files / "wide_plan.json")], "no_swap": ["--no-swap"],
+                "cpu": ["--device", "cpu"], "host": ["--host-budget", "8MiB"],
                 "small_min": ["--min-swap-bytes", "0"], "big_min": ["--min-swap-bytes", "1GiB"]}
     return {name: main_captured([*base, *extra]) for name, extra in variants.items()}
 
@@ -265,6 +267,20 @@ def test_plan_swap_is_offered_on_accelerators_only(wide_plans):
         assert code == 0, stderr
         assert all(mib is None and mode != "swap" for mode, mib, _ in plan_rows(stdout, 3)), stdout
         assert f"swap: not offered ({why})" in stdout
+
+
+def test_plan_table_is_the_plan_file(wide_plans, files):
+    """The printed plan is the one --output writes: each row's mode and whether it swaps to host are the
+    file's layer's, the swap chain's last layer included (a ``swap`` that keeps its tensors: the solver
+    chose ``off`` there), and the summary counts the file's swapping layers."""
+    code, stdout, stderr = wide_plans["h100"]
+    assert code == 0, stderr
+    written = json.loads((files / "wide_plan.json").read_text())["layers"]
+    printed = [(mode, mib is not None) for mode, mib, _ in plan_rows(stdout, 3)]
+    assert printed == [(layer["mode"], layer["swap"]) for layer in written], stdout
+    assert printed[-1] == ("swap", False)
+    assert swap_line(stdout)[0] == sum(layer["swap"] for layer in written)
+    assert "note: a swap layer that moves nothing (-) is the last of the swap chain" in stdout
 
 
 def test_plan_host_budget_bounds_the_pinned_bytes(wide_plans):

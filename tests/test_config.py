@@ -300,13 +300,15 @@ PLAN_LAYER = {"index": 0, "fqn": "model.layers.0", "mode": "full"}
 
 
 @pytest.mark.parametrize(("plan", "match"), [
-    ({"backend": "cpu"}, r"Config\.plan is not a plan dict: 'layers' is missing or not a list \(keys: \['backend'\]\)"),
-    ({"layers": []}, r"Config\.plan is not a plan dict: 'backend' is missing or not a string"),
-    ({"backend": "cpu", "layers": {"0": "full"}}, r"'layers' is missing or not a list"),
-    ({"backend": "cpu", "layers": ["full"]}, r"Config\.plan\['layers'\]\[0\] is a str, not a dict"),
+    ({"backend": "cpu"}, r"^Config\.plan lacks \['layers'\]; a plan dict has \['adapter', 'backend', .*\] \(backend, "
+                         r"layers required\), as Plan\.to_dict\(\) and `hyperac plan --output` write it\.$"),
+    ({"layers": []}, r"^Config\.plan lacks \['backend'\]; a plan dict has"),
+    ({"backend": "cpu", "layers": {"0": "full"}}, r"^Config\.plan\['layers'\] is \{'0': 'full'\}; give a list"),
+    ({"backend": "cpu", "layers": ["full"]}, r"Config\.plan\['layers'\]\[0\] is a str, not a dict; give a layer dict "
+                                            r"with \['fqn', 'index', 'mode'\] \(and optionally \['excluded', "),
     ({"backend": "cpu", "layers": [{"index": 0, "mode": "full"}]}, r"Config\.plan\['layers'\]\[0\] lacks \['fqn'\]"),
     ({"backend": "cpu", "layers": [{**PLAN_LAYER, "speed": 1}]}, r"\[0\] has unknown keys \['speed'\]"),
-    ({"backend": "cpu", "layers": [{**PLAN_LAYER, "mode": "fast"}]}, r"\[0\]\['mode'\] is 'fast'; a layer's mode is"),
+    ({"backend": "cpu", "layers": [{**PLAN_LAYER, "mode": "fast"}]}, r"\[0\]\['mode'\] is 'fast'; give one of \["),
 ])
 def test_malformed_plan_dict(plan, match):
     with pytest.raises(ConfigError, match=match):

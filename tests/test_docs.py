@@ -81,3 +81,21 @@ def test_links_outside_the_site_reach_a_page_and_its_heading(page):
         if anchor:
             headings = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.MULTILINE)
             assert anchor in {_slug(h) for h in headings}, f"{page.name} links to {target}#{anchor}: no such heading"
+
+
+_INSTALLED_BY = {"transformers": "[hf]", "accelerate": "[hf]", "matplotlib": "[plot]", "peft": "peft", "trl": "trl"}
+"""What a page's install line names for a package its code imports: the extra that brings it
+(pyproject.toml), or the package itself where no extra a user installs has it."""
+_IMPORTED = re.compile(r"^\s*(?:from|import)\s+(\w+)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_a_page_says_how_to_install_what_its_code_imports(page):
+    """A page whose code imports transformers, accelerate, matplotlib, PEFT or TRL has a ``pip install``
+    line naming the extra that brings it, or the package where no extra does."""
+    text = page.read_text(encoding="utf-8")
+    code = "\n".join(re.findall(r"^```python\n(.*?)^```$", text, re.MULTILINE | re.DOTALL))
+    needed = {_INSTALLED_BY[name] for name in _IMPORTED.findall(code) if name in _INSTALLED_BY}
+    installs = [line for line in text.splitlines() if "pip install" in line]
+    missing = sorted(token for token in needed if not any(token in line for line in installs))
+    assert not missing, f"{page.relative_to(ROOT)}: add an install line naming {missing} (e.g. pip install \".[hf]\")"

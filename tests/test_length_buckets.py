@@ -205,7 +205,7 @@ def test_a_plan_round_trips_through_json_with_its_buckets(applied, base, plan_fl
                       r"with a dimension 2 to read its sequence length from, so it runs full recompute on every layer"):
         assert replayed(again, base, ids_of(16)) == plan_flops(["full"] * 4, ids_of(16))
     with pytest.raises(hyperac.ConfigError, match=r"Config.plan\['buckets'\]\[0\]\['modes'\] is \['off'\]; give one "
-                                                  r"mode per layer \(4\)"):
+                                                  r"mode per layer of Config\.plan\['layers'\] \(4\)"):
         hyperac.apply(copy.deepcopy(base), plan={**written, "buckets": [{"max_len": 16, "modes": ["off"]}]})
     with pytest.raises(hyperac.ConfigError, match=r"a plan with length buckets needs 'max_seq_len'"):
         hyperac.Plan.from_dict({**written, "max_seq_len": None})

@@ -623,7 +623,7 @@ def test_auto_keeps_existing_grads_and_rng():
         (dict(mode="auto", budget=True, sample="SAMPLE"), "Config.budget must be"),
         (dict(mode="auto", budget=0.5, sample=[1, 2]), "Config.sample must be"),
         (dict(mode="full", plan="not a plan"), "Config.plan must be"),
-        (dict(mode="full", plan={"layers": []}), "not a plan dict"),
+        (dict(mode="full", plan={"layers": []}), "Config.plan lacks ['backend']; a plan dict has"),
         (dict(mode="auto", budget=0.5, sample="SAMPLE", swap_inputs=True),
          "Config.swap_inputs=True does not combine with mode='auto'"),
         (dict(mode="auto", budget=0.5, sample="SAMPLE", swap_selective_outputs=True),
