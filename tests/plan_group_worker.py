@@ -36,7 +36,7 @@ class Case:
     key: str
 
 
-CASES = [Case(key) for key in ("slowed", "failing", "failing_install", "budgets", "shapes", "buckets")]
+CASES = [Case(key) for key in ("slowed", "fsdp", "failing", "failing_install", "budgets", "shapes", "buckets")]
 
 
 def batch(length: int = SEQ, vocab: int = 128) -> dict[str, torch.Tensor]:
@@ -91,6 +91,29 @@ def slowed() -> dict[str, Any]:
         result = outcome(lambda: hyperac.apply(model, mode="auto", budget=budget, sample=batch(), backend="cpu"))
     finally:
         profile._timed_step = timer.real
+    return {**result, "timed_steps": timer.steps}
+
+
+def fsdp() -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` on each layer, then on the model) before apply: every profiled and timed
+    step all-gathers each layer's parameters, and rank 1 wants a second round of timed steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = tiny_llama(num_layers=LAYERS)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    timer = InjectedSeconds(SECONDS, faster_once=dist.get_rank() == 1)
+    profile._timed_step = timer
+    try:
+        result = outcome(lambda: hyperac.apply(model, mode="auto", budget=0.9, sample=batch(), backend="cpu"))
+    finally:
+        profile._timed_step = timer.real
+    if "error" not in result:
+        ids = batch()["input_ids"]
+        model(input_ids=ids, labels=ids).loss.backward()
     return {**result, "timed_steps": timer.steps}
 
 

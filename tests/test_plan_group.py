@@ -55,6 +55,15 @@ def test_a_slower_rank_gets_the_plan_of_the_group(results):
         assert "the plan of a group of 2 ranks" in rank["plan"]
 
 
+def test_ranks_of_fsdp2_time_as_many_steps_as_each_other(results):
+    """Under FSDP2 every profiling step all-gathers parameters: rank 1 wanting a second timed round,
+    rank 0 times it too (else rank 1 waits in an all-gather rank 0 never joins), and both install one plan."""
+    first, second = results["fsdp"]
+    assert "error" not in first and "error" not in second, (first, second)
+    assert first["modes"] == second["modes"]
+    assert first["timed_steps"] == second["timed_steps"] == 4
+
+
 def test_a_rank_that_fails_inside_apply_makes_every_rank_raise(results):
     """Rank 1's profiled step raises; rank 0 raises too, naming it, and neither keeps anything applied."""
     first, second = results["failing"]

@@ -5,7 +5,8 @@ kept bytes of the layers before one plus that layer's residual, so it is checked
 while walking the layers in order. :func:`choose_modes` is a dynamic program over the bytes kept
 by the layers walked so far: on a byte grid, exactly when the byte counts' common divisor makes a
 fine enough grid, else with each layer's bytes rounded up (a chosen plan never exceeds the budget).
-The objective is predicted seconds; ``objective="flops"`` minimises replayed FLOPs instead, and
+The objective is predicted seconds (modes within the timing's noise tied, NOTE [Ties within the
+noise]); ``objective="flops"`` minimises replayed FLOPs instead, and
 ``bound="kept"`` bounds only the bytes kept when backward starts (hyperac's earlier meaning of a
 budget, which lets the recompute transients of backward exceed it).
 
