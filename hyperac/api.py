@@ -301,17 +301,18 @@ def apply(
         if config.plan.buckets:  # switched by length again (NOTE [Plans per length bucket])
             prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets,
                           "batch_shape": config.plan.batch_shape, "seq_dim": config.sequence_dim}
-    elif config.mode == "auto" and config.compile:  # plan for compiled layers (planner/compiled.py)
-        modes, planned_swaps, prediction = compiled_auto_modes(
-            model, found, config.budget, config.sample,
-            _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
-            chosen_backend, config.compile)
     elif config.mode == "auto":
         group = plan_group(config.group)
-        modes, planned_swaps, prediction = auto_modes(
-            model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
-            chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len, config.sequence_dim,
-            config.length_buckets, group)
+        if config.compile:  # plan for compiled layers (planner/compiled.py)
+            modes, planned_swaps, prediction = compiled_auto_modes(
+                model, found, config.budget, config.sample,
+                _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
+                chosen_backend, config.compile, group)
+        else:
+            modes, planned_swaps, prediction = auto_modes(
+                model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
+                chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len,
+                config.sequence_dim, config.length_buckets, group)
         try:  # NOTE [One plan per job] in planner/group.py
             installed: Plan = group.run(lambda: _apply_modes(model, named_modules, found, modes, config,
                                                              chosen_backend, planned_swaps, prediction, planned=True,

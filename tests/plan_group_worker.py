@@ -3,6 +3,7 @@ in hyperac/planner/group.py). Run under torchrun (two ranks, gloo)::
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/plan_group_worker.py OUT.json [CASE...]
 
+(``python tests/plan_group_worker.py --list`` prints the cases.)
 Each case runs on both ranks; rank 0 writes, per case, the list of both ranks' outcomes (what
 ``apply`` returned or raised, and what the case measured). Seconds are injected, as in
 tests/test_planner_timing.py: each timed step runs for real, and its per-layer readings are
@@ -36,7 +37,10 @@ class Case:
     key: str
 
 
-CASES = [Case(key) for key in ("slowed", "fsdp", "failing", "failing_install", "budgets", "shapes", "buckets")]
+DEFAULT = ("slowed", "fsdp", "failing", "failing_install", "budgets", "shapes", "buckets")
+"""The cases run when none is named; ``compiled`` (compiles five modes on each rank) is run by name, under
+``tox -e dist``."""
+CASES = [Case(key) for key in (*DEFAULT, "compiled")]
 
 
 def batch(length: int = SEQ, vocab: int = 128) -> dict[str, torch.Tensor]:
@@ -117,6 +121,30 @@ def fsdp() -> dict[str, Any]:
     return {**result, "timed_steps": timer.steps}
 
 
+def compiled() -> dict[str, Any]:
+    """``compile="aot_eager"``: rank 1 wants one timed round more than the fewest (rank 0 stops there)."""
+    from hyperac.planner import compiled as planner
+
+    rank = dist.get_rank()
+    real_rounds, real_step = planner.more_rounds, planner._timed_step
+    steps = []
+
+    def more_rounds(done: int, least: int, timing: float) -> bool:
+        return done <= least + (rank == 1)
+
+    def timed_step(*args: Any) -> float:
+        steps.append(real_step(*args))
+        return steps[-1]
+
+    planner.more_rounds, planner._timed_step = more_rounds, timed_step
+    try:
+        result = outcome(lambda: hyperac.apply(tiny_llama(num_layers=2), mode="auto", budget=0.9, sample=batch(),
+                                               backend="cpu", compile="aot_eager"))
+    finally:
+        planner.more_rounds, planner._timed_step = real_rounds, real_step
+    return {**result, "timed_steps": len(steps)}
+
+
 def failing() -> dict[str, Any]:
     """Rank 1's sample holds a token past the vocabulary: its first profiled step raises."""
     model = tiny_llama(num_layers=2)
@@ -178,7 +206,7 @@ def run_groups(groups: list[str]) -> dict[str, Any]:
     if dist.get_world_size() != 2:
         raise SystemExit("run with --nproc_per_node=2")
     results = {}
-    for key in groups or [case.key for case in CASES]:
+    for key in groups or DEFAULT:
         mine = globals()[key]()
         both: list[Any] = [None, None]
         dist.all_gather_object(both, mine)

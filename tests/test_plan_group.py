@@ -26,11 +26,11 @@ pytestmark = pytest.mark.skipif(
 WORKER = pathlib.Path(__file__).with_name("plan_group_worker.py")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    output = tmp_path_factory.mktemp("plan_group") / "results.json"
+def launch(folder: pathlib.Path, *cases: str) -> dict:
+    """Both ranks' outcomes of ``cases`` (none: the worker's default ones), by case."""
+    output = folder / "results.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-               str(output)]
+               str(output), *cases]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=WORKER.parent)
     except subprocess.TimeoutExpired as expired:
@@ -38,6 +38,11 @@ def results(tmp_path_factory):
     if done.returncode != 0 or not output.exists():
         pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return json.loads(output.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("plan_group"))
 
 
 def test_a_slower_rank_gets_the_plan_of_the_group(results):
@@ -62,6 +67,15 @@ def test_ranks_of_fsdp2_time_as_many_steps_as_each_other(results):
     assert "error" not in first and "error" not in second, (first, second)
     assert first["modes"] == second["modes"]
     assert first["timed_steps"] == second["timed_steps"] == 4
+
+
+@pytest.mark.dist
+def test_compiled_layers_get_one_plan_after_as_many_rounds(tmp_path):
+    """``compile="aot_eager"``: rank 1 wants a fifth timed round of its five modes; rank 0 times it too."""
+    first, second = launch(tmp_path, "compiled")["compiled"]
+    assert "error" not in first and "error" not in second, (first, second)
+    assert first["modes"] == second["modes"] and first["group_size"] == second["group_size"] == 2
+    assert first["timed_steps"] == second["timed_steps"] == 5 * 5
 
 
 def test_a_rank_that_fails_inside_apply_makes_every_rank_raise(results):

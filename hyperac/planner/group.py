@@ -85,6 +85,10 @@ class PlanGroup:
         """Whether ``flag`` holds on every rank."""
         return all(self.gather(lambda: flag, what))
 
+    def any(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` holds on some rank."""
+        return any(self.gather(lambda: flag, what))
+
     def _meet(self, compute: Callable[[], T], what: str, share: bool) -> list[Any]:
         if self.size == 1:
             return [compute()]
