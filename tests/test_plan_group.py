@@ -13,9 +13,11 @@ import pathlib
 import subprocess
 import sys
 
+import hypothesis
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import strategies as st
 
 import hyperac
 
@@ -129,3 +131,48 @@ def test_group_outside_auto_and_without_distributed_is_refused():
     with pytest.raises(hyperac.ConfigError, match="Config.group must be None or a torch.distributed ProcessGroup"):
         hyperac.Config(mode="auto", budget=0.5, sample={"input_ids": torch.ones(1, 4, dtype=torch.long)},
                        group="world")
+
+
+MODES = ("off", "pointwise", "selective", "selective-even", "full")
+
+
+@st.composite
+def rank_estimates(draw):
+    """Two to three ranks' cost models of the same three layers, every figure drawn per rank."""
+    from hyperac.planner import Estimate, LayerEstimate
+
+    def per_mode(high):
+        return {mode: draw(st.integers(0, high)) for mode in MODES}
+
+    ranks = draw(st.integers(2, 3))
+    return [Estimate(tuple(
+        LayerEstimate(index=i, fqn=f"layers.{i}", kept_bytes=per_mode(1000), recompute_flops=per_mode(1000),
+                      forward_peak_bytes=per_mode(1000), backward_peak_bytes=per_mode(1000),
+                      seconds={mode: float(s) for mode, s in per_mode(100).items()},
+                      noise_seconds=float(draw(st.integers(0, 10))))
+        for i in range(3)), outside_bytes=draw(st.integers(0, 1000)), base_flops=draw(st.integers(0, 1000)),
+        outside_peak_bytes=tuple(draw(st.integers(0, 1000)) for _ in range(4)),
+        outside_seconds=float(draw(st.integers(0, 10)))) for _ in range(ranks)]
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(rank_estimates(), st.lists(st.sampled_from(MODES), min_size=3, max_size=3))
+def test_the_slowest_ranks_costs_bound_every_ranks(estimates, plan):
+    """Whatever each rank measured, a plan's predicted peak, kept bytes, seconds and replayed FLOPs on
+    the job's cost model are at least each rank's: a plan within the budget there fits every rank."""
+    from hyperac.planner.group import slowest
+
+    job = slowest(estimates, len(estimates))
+    for measure in ("peak_bytes", "total_bytes", "step_seconds", "total_recompute_flops"):
+        assert all(getattr(job, measure)(plan) >= getattr(e, measure)(plan) for e in estimates), measure
+    assert all(layer.noise_seconds == max(e.layers[p].noise_seconds for e in estimates)
+               for p, layer in enumerate(job.layers))
+
+
+def test_layers_are_alike_where_they_are_alike_on_every_rank():
+    from hyperac.planner.profile import _common_groups
+
+    rank0 = [(0, 1, 2, 3)] * 4
+    rank1 = [(0, 1), (0, 1), (2, 3), (2, 3)]  # an MoE layer routed otherwise on rank 1
+    assert _common_groups([rank0, rank1]) == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert _common_groups([rank0]) == rank0

@@ -129,7 +129,11 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
     sample's tensors), so that every batch up to it fits, and one more per length bucket
     (``buckets`` of them, from the same profiles; :mod:`.lengths`). With a ``group`` of ranks, one
     plan for all of them (NOTE [One plan per job] in group.py)."""
-    agree_on_options(group, budget, sample, (max_seq_len, seq_dim, buckets), [layer.fqn for layer in layers])
+    agree_on_options(group, budget, sample, [layer.fqn for layer in layers], {
+        "max_seq_len=": max_seq_len, "seq_dim=": seq_dim, "length_buckets=": buckets, "min_swap_bytes=": min_swap_bytes,
+        "backend": backend.name})
+    # Swap needs pinned host memory on every rank: the job's is the least any rank has.
+    host_budget_bytes = min(group.gather(lambda: host_budget_bytes, "sharing its host budget"))
     if max_seq_len is None:
         estimates = [estimate_layers(model, sample, layers, runner, backend, group=group)]
     else:

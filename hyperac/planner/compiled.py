@@ -279,7 +279,8 @@ def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, 
     """``mode="auto"`` under ``compile=True``: per-layer modes (no swap) and the plan's predictions;
     the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``;
     ``group``: the ranks that plan together (NOTE [One plan per job] in group.py)."""
-    agree_on_options(group, budget, sample, (None, 1, 1), [layer.fqn for layer in layers])
+    agree_on_options(group, budget, sample, [layer.fqn for layer in layers], {"compile=": compile,
+                                                                              "backend": backend.name})
     estimate, noise = compiled_estimate(model, sample, layers, run_mode, backend, COMPILED_ROUNDS,
                                         compile_backend(compile), group)
     budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))

@@ -148,13 +148,15 @@ def _budget(budget: Any) -> Any:
     return parsed if parsed >= 0 else f"{parse_budget(budget, 10**6) / 10**4:g}% of the no-recompute peak"
 
 
-def agree_on_options(plan_group: PlanGroup, budget: Any, sample: Any, lengths: tuple[int | None, int, int],
-                     layer_names: Sequence[str]) -> None:
-    """Refuse, on every rank, options that differ between the ranks of the group (NOTE [One plan per job])."""
+def agree_on_options(plan_group: PlanGroup, budget: Any, sample: Any, layer_names: Sequence[str],
+                     others: dict[str, Any]) -> None:
+    """Refuse, on every rank, options that differ between the ranks of the group: ``budget``, the
+    shapes of ``sample``, the layers found and ``others`` (by name, e.g. ``{"max_seq_len=": 4096}``;
+    NOTE [One plan per job])."""
     if plan_group.size == 1:
         return
-    mine = {"budget=": _budget(budget), "sample= shapes": _shapes(sample),
-            "max_seq_len=, seq_dim=, length_buckets=": lengths, "the layers found": list(layer_names)}
+    mine = {"budget=": _budget(budget), "sample= shapes": _shapes(sample), **others,
+            "the layers found": list(layer_names)}
     everything = plan_group.gather(lambda: mine, "checking its options")
     for name, value in mine.items():
         differ = {rank: options[name] for rank, options in enumerate(everything) if options[name] != value}
