@@ -286,6 +286,7 @@ def apply(
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
     prediction: dict[str, Any] = {}
     planned_swaps = None
+    group = ALONE
     if config.plan is not None:
         modes = _modes_from_plan(config.plan, found)
         offloads = [layer.swap for layer in config.plan.layers]
@@ -301,6 +302,9 @@ def apply(
         if config.plan.buckets:  # switched by length again (NOTE [Plans per length bucket])
             prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets,
                           "batch_shape": config.plan.batch_shape, "seq_dim": config.sequence_dim}
+            if config.group is not None or config.plan.group_size is not None:  # the group's buckets agree again
+                group = plan_group(config.group)
+                prediction["group_size"] = config.plan.group_size
     elif config.mode == "auto":
         group = plan_group(config.group)
         if config.compile:  # plan for compiled layers (planner/compiled.py)
@@ -313,19 +317,17 @@ def apply(
                 model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
                 chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len,
                 config.sequence_dim, config.length_buckets, group)
-        try:  # NOTE [One plan per job] in planner/group.py
-            installed: Plan = group.run(lambda: _apply_modes(model, named_modules, found, modes, config,
-                                                             chosen_backend, planned_swaps, prediction, planned=True,
-                                                             group=group), "installing the plan")
-        except RankFailedError:
-            if STATE_KEY in model.__dict__:
-                remove(model)
-            raise
-        return installed
     else:
         modes = assign_modes(found, config)
-    return _apply_modes(model, named_modules, found, modes, config, chosen_backend, planned_swaps, prediction,
-                        planned=config.mode == "auto")
+    try:  # NOTE [One plan per job] in planner/group.py
+        installed: Plan = group.run(lambda: _apply_modes(model, named_modules, found, modes, config, chosen_backend,
+                                                         planned_swaps, prediction, planned=config.mode == "auto",
+                                                         group=group), "installing the plan")
+    except RankFailedError:
+        if STATE_KEY in model.__dict__:
+            remove(model)
+        raise
+    return installed
 
 
 # NOTE [One installation path]: apply() decides each layer's mode (from a plan, the planner or

@@ -327,7 +327,9 @@ class Config:
     slowest rank's cost per layer and mode; NOTE [One plan per job] in hyperac/planner/group.py).
     ``apply`` is then a collective over it: call it on every rank of the group, with the same
     ``budget``, sample shapes and length options. ``None``: the default group. A pipeline stage
-    passes its stage's group (stages hold other layers under the same names)."""
+    passes its stage's group (stages hold other layers under the same names). With ``plan``: the
+    ranks whose training forwards agree on the length bucket (default: the default group where the
+    plan was a group's)."""
 
     def __post_init__(self) -> None:
         if cast(object, self.mode) is False:  # YAML reads a bare `off` as False
@@ -379,9 +381,6 @@ class Config:
                 )
         elif self.budget is not None:
             raise ConfigError(f"Config.budget={self.budget!r} only applies to mode='auto', not {self.mode!r}.")
-        elif self.group is not None:
-            raise ConfigError(f"Config.group={self.group!r} only applies to mode='auto' (the ranks that plan "
-                              f"together), not {self.mode!r}; drop group=.")
         elif self.max_seq_len is not None:
             raise ConfigError(
                 f"Config.max_seq_len={self.max_seq_len!r} only applies to mode='auto', not {self.mode!r}."
@@ -399,6 +398,9 @@ class Config:
         if self.seq_dim is not None and (isinstance(self.seq_dim, bool) or not isinstance(self.seq_dim, int)
                                          or self.seq_dim < 0):
             raise ConfigError(f"Config.seq_dim must be an int >= 0, got {self.seq_dim!r}; e.g. 1 for (batch, seq).")
+        if self.group is not None and self.mode != "auto" and self.plan is None:
+            raise ConfigError(f"Config.group={self.group!r} only applies to mode='auto' or plan= (the ranks that plan, "
+                              f"or switch length buckets, together), not mode={self.mode!r} alone; drop group=.")
         if self.group is not None and not (dist.is_available() and isinstance(self.group, dist.ProcessGroup)):
             raise ConfigError(f"Config.group must be None or a torch.distributed ProcessGroup, got {self.group!r}; "
                               "e.g. group=torch.distributed.new_group([0, 1]).")

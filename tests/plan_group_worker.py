@@ -13,6 +13,7 @@ replaced by fixed figures per mode, so that "rank 1 is slower" holds however bus
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -199,7 +200,13 @@ def buckets() -> dict[str, Any]:
         return result
     ids = batch(SEQ // 2 if dist.get_rank() == 0 else 2 * SEQ)["input_ids"]
     model(input_ids=ids, labels=ids).loss.backward()
-    return {**result, "bucket": model.__dict__[STATE_KEY].bucket}
+    bucket = model.__dict__[STATE_KEY].bucket
+    written = json.loads(json.dumps(hyperac.applied_plan(model).to_dict()))  # the plan file, applied again
+    hyperac.remove(model)
+    again = hyperac.apply(model, plan=written, backend="cpu")
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {**result, "bucket": bucket, "bucket_again": model.__dict__[STATE_KEY].bucket,
+            "group_size_again": again.group_size}
 
 
 def run_groups(groups: list[str]) -> dict[str, Any]:

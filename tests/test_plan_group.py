@@ -119,14 +119,17 @@ def test_ranks_with_other_options_are_refused_on_every_rank(results, case, what,
 
 
 def test_every_rank_runs_the_bucket_of_the_longest_batch(results):
-    """Rank 0 trains on 8 tokens (bucket 0 alone), rank 1 on 32 (bucket 1): both run bucket 1."""
+    """Rank 0 trains on 8 tokens (bucket 0 alone), rank 1 on 32 (bucket 1): both run bucket 1, and
+    again with the plan file applied again (``plan=``)."""
     first, second = results["buckets"]
     assert "error" not in first and "error" not in second, (first, second)
     assert first["bucket"] == second["bucket"] == 1
+    assert first["bucket_again"] == second["bucket_again"] == 1
+    assert first["group_size_again"] == second["group_size_again"] == 2
 
 
 def test_group_outside_auto_and_without_distributed_is_refused():
-    with pytest.raises(hyperac.ConfigError, match=r"Config.group=.* only applies to mode='auto'"):
+    with pytest.raises(hyperac.ConfigError, match=r"Config.group=.* only applies to mode='auto' or plan="):
         hyperac.Config(mode="full", group=object())
     with pytest.raises(hyperac.ConfigError, match="Config.group must be None or a torch.distributed ProcessGroup"):
         hyperac.Config(mode="auto", budget=0.5, sample={"input_ids": torch.ones(1, 4, dtype=torch.long)},

@@ -211,18 +211,19 @@ def test_the_same_job_gets_one_plan_under_timing_jitter(monkeypatch):
 
 
 def test_ties_go_to_fewer_kept_bytes_then_fewer_replayed_flops():
-    """Within the noise (0.1 s) of the class's fastest mode, each mode costs the fastest's seconds
-    plus a step far below the noise, ordered by kept bytes, then replayed FLOPs; a mode further away
-    keeps its own seconds."""
+    """Within the noise (0.1 s) of the class's fastest recompute mode, each costs the fastest's
+    seconds plus a step far below the noise, ordered by kept bytes, then replayed FLOPs; a mode
+    further away, and ``off`` (never slower than a mode that runs its work and more), keep their own."""
     from hyperac.planner.cost import LayerEstimate
     from hyperac.planner.solver import TIE_STEP, tied_seconds
 
     layer = LayerEstimate(
         index=0, fqn="layers.0", noise_seconds=0.1,
-        seconds={"off": 1.0, "pointwise": 1.08, "selective": 1.05, "selective-even": 1.09, "full": 1.5},
+        seconds={"off": 1.02, "pointwise": 1.08, "selective": 1.05, "selective-even": 1.09, "full": 1.5},
         kept_bytes={"off": 100, "pointwise": 60, "selective": 40, "selective-even": 40, "full": 10},
         recompute_flops={"off": 0, "pointwise": 5, "selective": 30, "selective-even": 20, "full": 90},
     )
     tied = tied_seconds(layer)
-    order = ["selective-even", "selective", "pointwise", "off"]  # 40 bytes (20 FLOPs before 30), 60, 100
-    assert tied == {**{mode: 1.0 * (1 + step * TIE_STEP) for step, mode in enumerate(order)}, "full": 1.5}
+    order = ["selective-even", "selective", "pointwise"]  # 40 bytes (20 FLOPs before 30), then 60
+    assert tied == {**{mode: 1.05 * (1 + step * TIE_STEP) for step, mode in enumerate(order)}, "off": 1.02,
+                    "full": 1.5}

@@ -150,9 +150,9 @@ def _budget(budget: Any) -> Any:
 
 def agree_on_options(plan_group: PlanGroup, budget: Any, sample: Any, layer_names: Sequence[str],
                      others: dict[str, Any]) -> None:
-    """Refuse, on every rank, options that differ between the ranks of the group: ``budget``, the
-    shapes of ``sample``, the layers found and ``others`` (by name, e.g. ``{"max_seq_len=": 4096}``;
-    NOTE [One plan per job])."""
+    """Refuse, on every rank, options that differ between the ranks of the group (NOTE [One plan per
+    job]): ``budget``, the shapes of ``sample``, the layers found and ``others`` (by name, e.g.
+    ``{"max_seq_len=": 4096}``)."""
     if plan_group.size == 1:
         return
     mine = {"budget=": _budget(budget), "sample= shapes": _shapes(sample), **others,

@@ -35,23 +35,27 @@ __all__ = ["choose_modes", "tied_seconds"]
 # host's load (NOTE [Timing on a drifting host] in profile.py): two modes closer than the noise of
 # the layer's timing (``LayerEstimate.noise_seconds``: its off-vs-off control, and at least
 # ``NOISE_FLOOR`` of its ``off`` seconds) rank one way in one run and the other way in the next, and
-# the plan would follow. So the solver ties them. Per layer, the modes sorted by seconds form
-# classes, each mode within the noise of the class's fastest; every mode of a class costs the class's
-# fastest seconds, plus steps of ``TIE_STEP`` of that (far below any difference the timing resolves,
-# so they never trade against another layer's seconds) in a fixed order: fewer kept bytes first,
-# then fewer replayed FLOPs, then the order of ``ESTIMATE_MODES``. Modes further apart than the
-# noise keep their measured order. Predictions (``Estimate.step_seconds``) stay the measured ones.
+# the plan would follow. So the solver ties them. Per layer, the recompute modes sorted by seconds
+# form classes, each mode within the noise of the class's fastest; every mode of a class costs the
+# class's fastest seconds, plus steps of ``TIE_STEP`` of that (far below any difference the timing
+# resolves, so they never trade against another layer's seconds) in a fixed order: fewer kept bytes
+# first, then fewer replayed FLOPs, then the order of ``ESTIMATE_MODES``. Modes further apart than
+# the noise keep their measured order. ``off`` ties with none: every mode runs at least its work
+# (NOTE [When the rounds stop]), so where the timing cannot tell them apart ``off`` is no slower,
+# and a busy host (noise as large as a whole replay) does not turn every plan into ``full``.
+# Predictions (``Estimate.step_seconds``) stay the measured seconds.
 TIE_STEP = 1e-9
 
 
 def tied_seconds(layer: LayerEstimate) -> dict[str, float]:
     """The layer's seconds per mode as the solver weighs them (NOTE [Ties within the noise])."""
     classes: list[list[str]] = []
-    for mode in sorted(layer.seconds, key=lambda m: (layer.seconds[m], ESTIMATE_MODES.index(m))):
+    tied = {mode: layer.seconds[mode] for mode in layer.seconds if mode == "off"}
+    recompute = [mode for mode in layer.seconds if mode != "off"]
+    for mode in sorted(recompute, key=lambda m: (layer.seconds[m], ESTIMATE_MODES.index(m))):
         if not classes or layer.seconds[mode] - layer.seconds[classes[-1][0]] > layer.noise_seconds:
             classes.append([])
         classes[-1].append(mode)
-    tied = {}
     for members in classes:
         fastest = layer.seconds[members[0]]
         ranked = sorted(members, key=lambda m: (layer.kept_bytes[m], layer.recompute_flops[m], ESTIMATE_MODES.index(m)))
