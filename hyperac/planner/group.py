@@ -1,4 +1,6 @@
-"""One plan per job: ``mode="auto"`` as a collective over the ranks that train together.
+"""One plan per job: ``mode="auto"`` as a collective over the ranks that train together, at the
+price of a small ``all_gather_object`` per planning step (and, with length buckets, an all-reduce
+of one integer per training forward), and of every rank planning for the slowest one.
 
 Ranks that plan apart install different plans: each times its own layers, on a host whose speed
 drifts, and a rank with another plan runs other recompute. A layer holding collectives (TP, SP,
@@ -9,14 +11,17 @@ NOTE [One plan per job]
 Every rank of the group runs the same planning, and the ranks meet at agreed points, each one
 :meth:`PlanGroup.gather`: every rank runs its part, then all of them exchange the results (or
 the error a rank raised) with one ``all_gather_object``. The points are: the options (budget,
-sample shapes, length options and the layers found must be the same on every rank, else every
-rank raises :class:`~hyperac.ConfigError`), each profiled and each timed step (so that a step,
+sample shapes, length and swap options, ``compile``, the backend and the layers found must be the
+same on every rank, else every rank raises :class:`~hyperac.ConfigError`; the pinned host budget is
+the least of any rank's), each profiled and each timed step, compiled ones too (so that a step,
 whose layers may run collectives, is never entered by some ranks only), the end of each timed
 round (the rounds stop when every rank would stop, NOTE [When the rounds stop] in profile.py),
 the groups of identical layers (layers alike on every rank), the cost model of each rank (the
 job's is the slowest rank's: per layer and mode, the largest seconds, bytes and FLOPs any rank
 measured, :func:`slowest`), and the installation. Every rank then solves the same cost model
-with the same deterministic solver and installs the same plan. A rank that raises at any of
+with the same deterministic solver and installs the same plan. With length buckets each training
+forward runs the bucket of the group's longest batch (:meth:`PlanGroup.agreed_bucket`), so the
+ranks never run different plans in one step. A rank that raises at any of
 these makes every rank raise: its own error there, :class:`~hyperac.RankFailedError` naming it
 on the others (each undoes what it installed). What a rank cannot report is a failure inside
 a step while the other ranks wait in a collective of that step: they wait there until the
