@@ -38,7 +38,7 @@ class Case:
     key: str
 
 
-DEFAULT = ("slowed", "fsdp", "failing", "failing_install", "budgets", "shapes", "buckets")
+DEFAULT = ("slowed", "fsdp", "failing", "failing_install", "budgets", "shapes", "stages", "buckets")
 """The cases run when none is named; ``compiled`` (compiles five modes on each rank) is run by name, under
 ``tox -e dist``."""
 CASES = [Case(key) for key in (*DEFAULT, "compiled")]
@@ -189,6 +189,18 @@ def shapes() -> dict[str, Any]:
     sample = batch(SEQ if dist.get_rank() == 0 else SEQ // 2)
     return outcome(lambda: hyperac.apply(tiny_llama(num_layers=2), mode="auto", budget=0.9, sample=sample,
                                          backend="cpu"))
+
+
+def stages() -> dict[str, Any]:
+    """Two pipeline stages, one per rank, whose layers (2 and 3 of them) share names: over the default
+    group they are refused; each over its stage's group plans alone."""
+    stage_groups = [dist.new_group([0]), dist.new_group([1])]  # every rank makes every group
+    rank = dist.get_rank()
+    model = tiny_llama(num_layers=2 + rank)
+    whole = outcome(lambda: hyperac.apply(model, mode="auto", budget=0.9, sample=batch(), backend="cpu"))
+    own = outcome(lambda: hyperac.apply(model, mode="auto", budget=0.9, sample=batch(), backend="cpu",
+                                        group=stage_groups[rank]))
+    return {"whole": whole, "own": own}
 
 
 def buckets() -> dict[str, Any]:

@@ -118,6 +118,15 @@ def test_ranks_with_other_options_are_refused_on_every_rank(results, case, what,
         assert fix in result["message"]
 
 
+def test_pipeline_stages_plan_over_their_stage_group(results):
+    for rank, result in enumerate(results["stages"]):
+        refused, own = result["whole"], result["own"]
+        assert refused["error"] == "ConfigError", refused
+        assert "so the layers found must be the same on each" in refused["message"]
+        assert "pass group= the ranks that hold the same layers (a pipeline stage's group)" in refused["message"]
+        assert "error" not in own and len(own["modes"]) == 2 + rank and own["group_size"] is None, own
+
+
 def test_every_rank_runs_the_bucket_of_the_longest_batch(results):
     """Rank 0 trains on 8 tokens (bucket 0 alone), rank 1 on 32 (bucket 1): both run bucket 1, and
     again with the plan file applied again (``plan=``)."""
