@@ -17,7 +17,7 @@ from .backends import Backend, get_backend
 from .compiled import mechanism_note, require_knapsack, require_offloading
 from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
-from .errors import ConfigError, HyperACWarning, UnsupportedModelError
+from .errors import ConfigError, HyperACWarning, RankFailedError, UnsupportedModelError
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, LengthBucket, Plan
@@ -31,6 +31,7 @@ from .planner import (
 )
 from .planner.auto import last_swap, link_bandwidth
 from .planner.compiled import compiled_auto_modes
+from .planner.group import ALONE, PlanGroup, plan_group
 from .policy import OpSets, resolve_op_sets
 from .random_sources import check_trackers_registered
 from .recompute import (
@@ -249,13 +250,16 @@ def apply(
     adapter: Any = _D["adapter"],
     save_ops: Any = _D["save_ops"],
     force_recompute: Any = _D["force_recompute"],
+    group: Any = _D["group"],
 ) -> Plan:
     """Make ``model`` keep fewer activations on the device, by recomputing them in backward or by
     holding them in host memory. Modifies ``model`` in place; gradients are unchanged.
 
     Keyword options are the fields of :class:`hyperac.Config` (documented there); pass either
     ``config=`` or keywords. The change is atomic: if anything fails, the model is left exactly as
-    it was. :func:`hyperac.remove` undoes it.
+    it was. :func:`hyperac.remove` undoes it. Where ``torch.distributed`` is initialised,
+    ``mode="auto"`` is a collective over ``group`` (default: the default group): call it on every
+    rank of it; every rank installs the same plan.
 
     Args:
         model: the model to change, e.g. a transformers ``PreTrainedModel``.
@@ -267,6 +271,7 @@ def apply(
         ConfigError: an option has the wrong type or value, or the model is already applied.
         BackendUnavailableError: an explicitly requested backend cannot run here.
         UnsupportedModelError: no layers were found, or HF activation checkpointing is already on.
+        RankFailedError: ``mode="auto"`` over a process group, and another rank of it failed.
     """
     config = resolve_config(
         config,
@@ -274,13 +279,14 @@ def apply(
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
              host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter,
              max_seq_len=max_seq_len, seq_dim=seq_dim, length_buckets=length_buckets, save_ops=save_ops,
-             force_recompute=force_recompute),
+             force_recompute=force_recompute, group=group),
     )
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
     prediction: dict[str, Any] = {}
     planned_swaps = None
+    group = ALONE
     if config.plan is not None:
         modes = _modes_from_plan(config.plan, found)
         offloads = [layer.swap for layer in config.plan.layers]
@@ -296,20 +302,32 @@ def apply(
         if config.plan.buckets:  # switched by length again (NOTE [Plans per length bucket])
             prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets,
                           "batch_shape": config.plan.batch_shape, "seq_dim": config.sequence_dim}
-    elif config.mode == "auto" and config.compile:  # plan for compiled layers (planner/compiled.py)
-        modes, planned_swaps, prediction = compiled_auto_modes(
-            model, found, config.budget, config.sample,
-            _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
-            chosen_backend, config.compile)
+            if config.group is not None or config.plan.group_size is not None:  # the group's buckets agree again
+                group = plan_group(config.group)
+                prediction["group_size"] = config.plan.group_size
     elif config.mode == "auto":
-        modes, planned_swaps, prediction = auto_modes(
-            model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
-            chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len, config.sequence_dim,
-            config.length_buckets)
+        group = plan_group(config.group)
+        if config.compile:  # plan for compiled layers (planner/compiled.py)
+            modes, planned_swaps, prediction = compiled_auto_modes(
+                model, found, config.budget, config.sample,
+                _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
+                chosen_backend, config.compile, group)
+        else:
+            modes, planned_swaps, prediction = auto_modes(
+                model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
+                chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len,
+                config.sequence_dim, config.length_buckets, group)
     else:
         modes = assign_modes(found, config)
-    return _apply_modes(model, named_modules, found, modes, config, chosen_backend, planned_swaps, prediction,
-                        planned=config.mode == "auto")
+    try:  # NOTE [One plan per job] in planner/group.py
+        installed: Plan = group.run(lambda: _apply_modes(model, named_modules, found, modes, config, chosen_backend,
+                                                         planned_swaps, prediction, planned=config.mode == "auto",
+                                                         group=group), "installing the plan")
+    except RankFailedError:
+        if STATE_KEY in model.__dict__:
+            remove(model)
+        raise
+    return installed
 
 
 # NOTE [One installation path]: apply() decides each layer's mode (from a plan, the planner or
@@ -317,10 +335,11 @@ def apply(
 # mode through _apply_modes too, so apply() never runs inside itself while `mode="auto"` plans.
 def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], found: list[Layer], modes: list[str],
                  config: Config, chosen_backend: Backend, planned_swaps: list[bool] | None,
-                 prediction: dict[str, Any], planned: bool = False) -> Plan:
+                 prediction: dict[str, Any], planned: bool = False, group: PlanGroup = ALONE) -> Plan:
     """Install ``modes`` (one per layer of ``found``) on ``model`` atomically; return the plan.
     ``planned``: by or for ``mode="auto"``, so training forwards build no KV cache unless a layer
-    swaps (NOTE [KV caches in training] in _hf.py)."""
+    swaps (NOTE [KV caches in training] in _hf.py). ``group``: the ranks whose training forwards
+    agree on the length bucket (NOTE [Plans per length bucket] in length_switch.py)."""
     adapter_name, adapter_spec = find_adapter(model, config.adapter)
     configs = _hf.configs(named_modules)
     notes: list[str] = reversible_note(found) + prediction.pop("notes", [])
@@ -368,7 +387,7 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
         if buckets:  # NOTE [Plans per length bucket] in length_switch.py
             switched = install_switched(named_modules, state, len(variants), install_variant)
             switch = LengthSwitch(state, tuple(b.max_len for b in buckets), config.sequence_dim, result.batch_shape,
-                                  switched)
+                                  switched, group)
             install_hook(model, switch, pre=True, with_kwargs=True)
         else:
             install_variant(0)

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
+import torch.distributed as dist
 
 from .budget import parse_budget
 from .errors import ConfigError
@@ -320,6 +321,16 @@ class Config:
     rather than by weight shape, so a matmul of the same shape elsewhere is not affected). A name
     that matches no module inside a selective layer is an error."""
 
+    group: Any = None
+    """``mode="auto"`` where ``torch.distributed`` is initialised: the process group that plans
+    together, and whose ranks all install the one plan decided from all their measurements (the
+    slowest rank's cost per layer and mode; NOTE [One plan per job] in hyperac/planner/group.py).
+    ``apply`` is then a collective over it: call it on every rank of the group, with the same
+    ``budget``, sample shapes and length options. ``None``: the default group. A pipeline stage
+    passes its stage's group (stages hold other layers under the same names). With ``plan``: the
+    ranks whose training forwards agree on the length bucket (default: the default group where the
+    plan was a group's)."""
+
     def __post_init__(self) -> None:
         if cast(object, self.mode) is False:  # YAML reads a bare `off` as False
             object.__setattr__(self, "mode", "off")
@@ -387,6 +398,12 @@ class Config:
         if self.seq_dim is not None and (isinstance(self.seq_dim, bool) or not isinstance(self.seq_dim, int)
                                          or self.seq_dim < 0):
             raise ConfigError(f"Config.seq_dim must be an int >= 0, got {self.seq_dim!r}; e.g. 1 for (batch, seq).")
+        if self.group is not None and self.mode != "auto" and self.plan is None:
+            raise ConfigError(f"Config.group={self.group!r} only applies to mode='auto' or plan= (the ranks that plan, "
+                              f"or switch length buckets, together), not mode={self.mode!r} alone; drop group=.")
+        if self.group is not None and not (dist.is_available() and isinstance(self.group, dist.ProcessGroup)):
+            raise ConfigError(f"Config.group must be None or a torch.distributed ProcessGroup, got {self.group!r}; "
+                              "e.g. group=torch.distributed.new_group([0, 1]).")
         if self.sample is not None and not (isinstance(self.sample, Mapping) or callable(self.sample)):
             raise ConfigError(
                 f"Config.sample must be a dict of model keyword arguments or a callable model -> loss, "

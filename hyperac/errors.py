@@ -14,6 +14,7 @@ __all__ = [
     "HyperACError",
     "HyperACWarning",
     "InputWrittenError",
+    "RankFailedError",
     "RecomputeMismatchError",
     "TorchVersionError",
     "UnsupportedModelError",
@@ -65,3 +66,9 @@ def warn_once(message: str, given: set[str], stacklevel: int = 3, key: str | Non
         return
     given.add(key)
     warnings.warn(message, HyperACWarning, stacklevel=stacklevel)
+
+
+class RankFailedError(HyperACError, RuntimeError):
+    """Another rank of the process group that plans ``mode="auto"`` together failed inside
+    :func:`hyperac.apply`; every rank raises, this one with the failing rank's number and error
+    (NOTE [One plan per job] in hyperac/planner/group.py)."""

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from .errors import warn_once
+from .planner.group import ALONE, PlanGroup
 from .state import AppliedState, Installed, Override
 
 __all__ = ["LengthSwitch", "SwitchedForward", "install_switched"]
@@ -66,9 +67,11 @@ class LengthSwitch(Installed):
     one ``full`` on every layer, with a warning once per shape (NOTE [Plans per length bucket])."""
 
     def __init__(self, owner: AppliedState, bounds: tuple[int, ...], seq_dim: int,
-                 batch_shape: tuple[int, ...] | None, switched: tuple[SwitchedForward, ...]) -> None:
+                 batch_shape: tuple[int, ...] | None, switched: tuple[SwitchedForward, ...],
+                 group: PlanGroup = ALONE) -> None:
         self.owner, self.fqn = owner, ""
         self.bounds, self.seq_dim, self.batch_shape, self.switched = bounds, seq_dim, batch_shape, switched
+        self.group = group
 
     def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -76,10 +79,12 @@ class LengthSwitch(Installed):
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         first = next((v for v in tensors if v.dim() > self.seq_dim), None)
         outside = self._outside(first, tensors)
-        if outside is None:  # bisect_left, which dynamo cannot trace (NOTE [Switching under torch.compile])
-            self._switch(sum(1 for bound in self.bounds if bound < first.shape[self.seq_dim]))
+        # bisect_left, which dynamo cannot trace (NOTE [Switching under torch.compile])
+        bucket = len(self.bounds) if outside is not None else sum(
+            1 for bound in self.bounds if bound < first.shape[self.seq_dim])
+        self._switch(self.group.agreed_bucket(bucket, tensors[0].device if tensors else torch.device("cpu")))
+        if outside is None:
             return
-        self._switch(len(self.bounds))
         what, fix = outside
         warn_once(f"hyperac: a training batch {what}, so it runs full recompute on every layer (the most memory-saving "
                   f"plan), which may still exceed the budget; {fix}", self.owner.warned, stacklevel=4)

@@ -27,7 +27,7 @@ reads it and every older one (a dict without it was written before versions were
 newer one (NOTE [Plan files])."""
 
 _PREDICTIONS = ("predicted_bytes", "predicted_peak_bytes", "predicted_step_seconds", "predicted_recompute_flops",
-                "predicted_swap_bytes", "budget_bytes", "max_seq_len")
+                "predicted_swap_bytes", "budget_bytes", "max_seq_len", "group_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +116,10 @@ class Plan:
     (up to ``max_seq_len``) is the plan's own layers, the default. Each training forward runs the
     bucket that holds its length; a longer batch runs ``full`` on every layer (with the default's
     swaps)."""
+    group_size: int | None = None
+    """``mode="auto"`` under ``torch.distributed``: the number of ranks of ``Config.group`` that made
+    this plan together, each of which installed it (from the slowest rank's costs; NOTE [One plan
+    per job] in hyperac/planner/group.py). ``None``: one process planned it alone."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -202,6 +206,9 @@ class Plan:
                 f"{(self.predicted_swap_bytes or 0) / 2**20:.2f} MiB swapped to host"
                 + (f", at sequence length {self.max_seq_len} (shorter batches keep less)" if self.max_seq_len else "")
             )
+        if self.group_size is not None:
+            lines.append(f"the plan of a group of {self.group_size} ranks: each installed it, planned on the slowest "
+                         "rank's costs per layer and mode, within a budget per process")
         lines.extend(self._bucket_lines())
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)

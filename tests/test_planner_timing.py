@@ -183,3 +183,47 @@ def test_a_batch_longer_than_max_seq_len_warns_once_per_shape():
         model(input_ids=longer[:, :16], labels=longer[:, :16]).loss.backward()  # within: quiet
     hyperac.remove(model)
     assert not model._forward_pre_hooks
+
+
+def test_the_same_job_gets_one_plan_under_timing_jitter(monkeypatch):
+    """Every recompute mode costs the same (1.5x ``off``), each reading jittered by up to 10%: the
+    modes are tied within the noise (NOTE [Ties within the noise]), the tie goes to fewer kept bytes,
+    and five plans with five draws of the jitter are one plan. Without ties, the jitter picks."""
+    draws = random.Random()
+    real = profile._timed_step
+
+    def jittered_step(model, sample, layer_modules, clock):
+        real(model, sample, layer_modules, clock)
+        modes = [layer.mode for layer in hyperac.applied_plan(model).layers]
+        return {**{p: 0.01 * (1.0 if m == "off" else 1.5) * draws.uniform(0.9, 1.1) for p, m in enumerate(modes)},
+                None: 0.001}
+
+    monkeypatch.setattr(profile, "_timed_step", jittered_step)
+    model = tiny_llama(num_layers=4)
+    budget = hyperac.estimate(model, lm_sample(), backend="cpu").peak_bytes(["selective-even"] * 4)
+    plans = set()
+    for seed in range(5):
+        draws.seed(seed)
+        plans.add(tuple(layer.mode for layer in hyperac.apply(model, mode="auto", budget=budget, sample=lm_sample(),
+                                                              backend="cpu").layers))
+        hyperac.remove(model)
+    assert len(plans) == 1, plans
+
+
+def test_ties_go_to_fewer_kept_bytes_then_fewer_replayed_flops():
+    """Within the noise (0.1 s) of the class's fastest recompute mode, each costs the fastest's
+    seconds plus a step far below the noise, ordered by kept bytes, then replayed FLOPs; a mode
+    further away, and ``off`` (never slower than a mode that runs its work and more), keep their own."""
+    from hyperac.planner.cost import LayerEstimate
+    from hyperac.planner.solver import TIE_STEP, tied_seconds
+
+    layer = LayerEstimate(
+        index=0, fqn="layers.0", noise_seconds=0.1,
+        seconds={"off": 1.02, "pointwise": 1.08, "selective": 1.05, "selective-even": 1.09, "full": 1.5},
+        kept_bytes={"off": 100, "pointwise": 60, "selective": 40, "selective-even": 40, "full": 10},
+        recompute_flops={"off": 0, "pointwise": 5, "selective": 30, "selective-even": 20, "full": 90},
+    )
+    tied = tied_seconds(layer)
+    order = ["selective-even", "selective", "pointwise"]  # 40 bytes (20 FLOPs before 30), then 60
+    assert tied == {**{mode: 1.05 * (1 + step * TIE_STEP) for step, mode in enumerate(order)}, "off": 1.02,
+                    "full": 1.5}

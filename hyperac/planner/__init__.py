@@ -5,6 +5,7 @@
 - :mod:`.devices` and :mod:`.dispatch`: rooflines for ``meta`` profiles, host cost per op;
 - :mod:`.solver`: :func:`choose_modes`, budget -> per-layer modes;
 - :mod:`.auto`: the entry points ``apply(mode="auto")`` and ``estimate`` call;
+- :mod:`.group`: one plan for the ranks of a process group (NOTE [One plan per job]);
 - :mod:`.attention`, :mod:`.restore`: SDPA routing on ``meta``, undoing a profile's side effects;
 - :mod:`.verify`: the one-shot check of the first training step.
 

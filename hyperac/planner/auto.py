@@ -22,6 +22,7 @@ from .attention import fused_attention_on_meta
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate, build_estimate, split_option
 from .devices import DEVICES, device_profile
 from .dispatch import describe, host_costs
+from .group import ALONE, PlanGroup, agree_on_options, slowest
 from .lengths import batch_shape, bucket_bounds, fitted_estimates, length_buckets, sequence_length, truncated
 from .prefix import profiled_stack
 from .profile import profile_modes
@@ -44,13 +45,14 @@ def _device_type(model: nn.Module) -> str:
 
 
 def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runner: Runner, backend: Any,
-                    device: str | None = None, timed: bool = True) -> Estimate:
+                    device: str | None = None, timed: bool = True, group: PlanGroup = ALONE) -> Estimate:
     """Profile one step of ``model`` per uniform mode and return the cost model.
 
     On real tensors the layers' seconds are measured on ``backend``. On ``meta`` they are a
     roofline on the device profile ``device`` (default ``"cpu"``: this host) plus host costs per
     op measured once per process (``timed=False``: no seconds). Gradients, buffers, RNG and training
-    flags are left as they were.
+    flags are left as they were. With a ``group`` of ranks, every rank profiles and the cost model
+    is the slowest rank's (NOTE [One plan per job] in group.py).
     """
     on_meta = _device_type(model) == "meta"
     # The sim backend's per-op compute time (NOTE [The virtual clock]) is part of what is timed.
@@ -60,16 +62,18 @@ def estimate_layers(model: nn.Module, sample: Any, layers: Sequence[Layer], runn
         profiles = profiled_stack(model, layers, on_meta, lambda profiled: profile_modes(
             model, sample, [layer.module for layer in profiled], ESTIMATE_MODES, _mixed_runner(model, profiled, runner),
             rounds=TIMED_ROUNDS if timed and not on_meta else 0,
-            clock=lambda: backend.clock(getattr(next(model.parameters(), None), "device", None)),
+            clock=lambda: backend.clock(getattr(next(model.parameters(), None), "device", None)), group=group,
         ))
     if not on_meta:
-        return build_estimate(layers, profiles, timing=f"measured on {backend.name}",
-                              link_bandwidth=link_bandwidth(backend, model))
-    profile = device_profile(device or "cpu")
-    host = host_costs(torch.device("cpu"), runner)
-    return build_estimate(layers, profiles, profile, host,
-                          timing=f"roofline on {profile.name}, host {describe(host)}",
-                          link_bandwidth=host_link_override() or profile.host_link_bandwidth)
+        estimate = build_estimate(layers, profiles, timing=f"measured on {backend.name}",
+                                  link_bandwidth=link_bandwidth(backend, model))
+    else:
+        profile = device_profile(device or "cpu")
+        host = host_costs(torch.device("cpu"), runner)
+        estimate = build_estimate(layers, profiles, profile, host,
+                                  timing=f"roofline on {profile.name}, host {describe(host)}",
+                                  link_bandwidth=host_link_override() or profile.host_link_bandwidth)
+    return slowest(group.gather(lambda: estimate, "sharing its measurements"), group.size)
 
 
 def _mixed_runner(model: nn.Module, layers: Sequence[Layer], runner: Runner) -> Callable[[Any], Callable[[], None]]:
@@ -116,19 +120,26 @@ def plan_swaps(modes: Sequence[str], offloads: Sequence[bool]) -> tuple[list[str
 
 def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, runner: Runner,
                backend: Any, host_budget_bytes: int, min_swap_bytes: int = 0, max_seq_len: int | None = None,
-               seq_dim: int = 1, buckets: int = 1) -> tuple[list[str], list[bool], dict[str, Any]]:
+               seq_dim: int = 1, buckets: int = 1, group: PlanGroup = ALONE,
+               ) -> tuple[list[str], list[bool], dict[str, Any]]:
     """The per-layer modes and swap flags ``mode="auto"`` applies, and the plan's predictions.
     Swap is a choice where ``backend.can_swap``, within ``host_budget_bytes`` of pinned memory,
     moving the storages of at least ``min_swap_bytes`` (NOTE [Swap in the plan]). With
     ``max_seq_len``, the plan is made for that sequence length (dimension ``seq_dim`` of the
     sample's tensors), so that every batch up to it fits, and one more per length bucket
-    (``buckets`` of them, from the same profiles; :mod:`.lengths`)."""
+    (``buckets`` of them, from the same profiles; :mod:`.lengths`). With a ``group`` of ranks, one
+    plan for all of them (NOTE [One plan per job] in group.py)."""
+    agree_on_options(group, budget, sample, [layer.fqn for layer in layers], {
+        "max_seq_len=": max_seq_len, "seq_dim=": seq_dim, "length_buckets=": buckets, "min_swap_bytes=": min_swap_bytes,
+        "backend": backend.name})
+    # Swap needs pinned host memory on every rank: the job's is the least any rank has.
+    host_budget_bytes = min(group.gather(lambda: host_budget_bytes, "sharing its host budget"))
     if max_seq_len is None:
-        estimates = [estimate_layers(model, sample, layers, runner, backend)]
+        estimates = [estimate_layers(model, sample, layers, runner, backend, group=group)]
     else:
         bounds = bucket_bounds(max_seq_len, buckets)
         estimates = fitted_estimates(lambda length, timed: estimate_layers(
-            model, truncated(sample, seq_dim, length), layers, runner, backend, timed=timed),
+            model, truncated(sample, seq_dim, length), layers, runner, backend, timed=timed, group=group),
             sequence_length(sample, seq_dim), bounds)
     estimates = [dataclasses.replace(estimate, min_swap_bytes=min_swap_bytes) for estimate in estimates]
     estimate = estimates[-1]
@@ -141,6 +152,8 @@ def auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: A
         prediction["buckets"] = length_buckets(bounds, estimates, chosen, modes, budget_bytes)
         prediction["batch_shape"] = batch_shape(sample, seq_dim, max_seq_len)
         prediction["seq_dim"] = seq_dim
+    if group.size > 1:
+        prediction["group_size"] = group.size
     return modes, swaps, prediction
 
 

@@ -80,6 +80,7 @@ from ..discovery import Layer
 from ..measure import flop_counter
 from ..plan import mode_letters
 from .cost import ESTIMATE_MODES, Estimate, LayerEstimate
+from .group import ALONE, PlanGroup, agree_on_options, slowest
 from .profile import _loss
 from .restore import side_effects_undone
 from .solver import choose_modes
@@ -171,33 +172,26 @@ def _timed_step(model: nn.Module, sample: Any, synchronize: Callable[[], None]) 
 
 
 def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], run_mode: Callable,
-                      backend: Any, rounds: int, compiler: str) -> tuple[Estimate, float]:
+                      backend: Any, rounds: int, compiler: str, group: PlanGroup = ALONE) -> tuple[Estimate, float]:
     """The cost model of compiled layers (module docstring) and the noise of its seconds, as a
     fraction of a step (:func:`timing_noise`); ``run_mode(mode)`` applies ``mode`` with
     ``compile=True`` to every layer and returns the undo; ``compiler``: the torch.compile backend
-    the layers are compiled with (NOTE [Timing with the user's backend])."""
+    the layers are compiled with (NOTE [Timing with the user's backend]). With a ``group`` of ranks,
+    every step and the number of rounds are agreed, and the cost model is the slowest rank's (NOTE
+    [One plan per job] in group.py)."""
     modules = [layer.module for layer in layers]
     saved, flops, readings = {}, {}, {mode: [] for mode in ESTIMATE_MODES}
     order = list(ESTIMATE_MODES)
     with side_effects_undone(model, backend.device_type):
         model.train()
         round_, timing_since = 0, math.inf
-        while more_rounds(round_, rounds, time.perf_counter() - timing_since):
+        while group.any(more_rounds(round_, rounds, time.perf_counter() - timing_since), "choosing its rounds"):
             if round_ == 1:
                 timing_since = time.perf_counter()
             random.Random(round_).shuffle(order)
             for mode in order:
-                if round_ == 0:
-                    flops[mode] = _step_flops(model, sample, run_mode(mode))
-                compiled = _Compiled(run_mode, modules, mode, compiler)
-                try:
-                    if round_ == 0:
-                        _step(model, sample)  # compiles
-                        saved[mode] = _saved_bytes(model, sample)
-                    else:
-                        readings[mode].append(_timed_step(model, sample, backend.synchronize))
-                finally:
-                    compiled.restore()
+                group.run(functools.partial(_profile_step, model, sample, modules, run_mode, mode, compiler, backend,
+                                            round_, (saved, flops, readings)), "in a profiled step")
             round_ += 1
     # NOTE [Timing on a drifting host] in profile.py: per round, each mode relative to off.
     ratios = {m: [t / o for t, o in zip(readings[m], readings["off"])] for m in ESTIMATE_MODES}
@@ -214,7 +208,27 @@ def compiled_estimate(model: nn.Module, sample: Any, layers: Sequence[Layer], ru
         for layer in layers
     )
     estimate = Estimate(estimates, 0, flops["off"], timing=f"compiled steps ({compiler}) on {backend.name}")
-    return estimate, timing_noise([ratios[m] for m in ESTIMATE_MODES if m != "off"])
+    noise = timing_noise([ratios[m] for m in ESTIMATE_MODES if m != "off"])
+    everyone = group.gather(lambda: (estimate, noise), "sharing its measurements")
+    return slowest([mine for mine, _ in everyone], group.size), max(theirs for _, theirs in everyone)
+
+
+def _profile_step(model: nn.Module, sample: Any, modules: Sequence[nn.Module], run_mode: Callable, mode: str,
+                  compiler: str, backend: Any, round_: int, tables: tuple[dict, dict, dict]) -> None:
+    """One step of round ``round_`` under ``mode``: round 0 counts FLOPs, compiles and measures the
+    saved bytes; later rounds time it; into ``tables``, (saved bytes, FLOPs, readings) by mode."""
+    saved, flops, readings = tables
+    if round_ == 0:
+        flops[mode] = _step_flops(model, sample, run_mode(mode))
+    compiled = _Compiled(run_mode, modules, mode, compiler)
+    try:
+        if round_ == 0:
+            _step(model, sample)  # compiles
+            saved[mode] = _saved_bytes(model, sample)
+        else:
+            readings[mode].append(_timed_step(model, sample, backend.synchronize))
+    finally:
+        compiled.restore()
 
 
 def more_rounds(done: int, least: int, timing: float) -> bool:
@@ -260,11 +274,15 @@ def _mixed_or_uniform(estimate: Estimate, chosen: list[str], budget_bytes: int,
 
 
 def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, run_mode: Callable,
-                        backend: Any, compile: bool | str) -> tuple[list[str], list[bool], dict[str, Any]]:
+                        backend: Any, compile: bool | str, group: PlanGroup = ALONE,
+                        ) -> tuple[list[str], list[bool], dict[str, Any]]:
     """``mode="auto"`` under ``compile=True``: per-layer modes (no swap) and the plan's predictions;
-    the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``."""
+    the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``;
+    ``group``: the ranks that plan together (NOTE [One plan per job] in group.py)."""
+    agree_on_options(group, budget, sample, [layer.fqn for layer in layers], {"compile=": compile,
+                                                                              "backend": backend.name})
     estimate, noise = compiled_estimate(model, sample, layers, run_mode, backend, COMPILED_ROUNDS,
-                                        compile_backend(compile))
+                                        compile_backend(compile), group)
     budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))
     chosen, notes = _mixed_or_uniform(estimate, choose_modes(estimate, budget_bytes, ESTIMATE_MODES, bound="kept"),
                                    budget_bytes, noise)
@@ -275,5 +293,6 @@ def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, 
         "predicted_recompute_flops": estimate.total_recompute_flops(chosen),
         "predicted_swap_bytes": 0,
         "budget_bytes": budget_bytes,
+        **({"group_size": group.size} if group.size > 1 else {}),
     }
 

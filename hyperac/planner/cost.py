@@ -87,6 +87,8 @@ class LayerEstimate:
     offload_storages: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     """Per mode, the bytes of each storage a swap of this layer would move to host memory (NOTE
     [What a swap would move] in profile.py), whatever their size."""
+    noise_seconds: float = 0.0
+    """Seconds apart that its timing cannot tell modes (NOTE [Ties within the noise] in solver.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +232,7 @@ def build_estimate(layers: Sequence[Any], profiles: dict[str, ModeProfile], devi
             backward_peak_bytes={m: profiles[m].backward_peak.get(position, 0) for m in modes},
             seconds={m: _layer_seconds(position, m, profiles, device, host) for m in modes},
             offload_storages={m: tuple(profiles[m].offloadable.get(position, ())) for m in modes},
+            noise_seconds=off.noise.get(position, 0.0) if device is None else 0.0,
         )
         for position, layer in enumerate(layers)
     )

@@ -148,6 +148,7 @@ def at_length(short: Estimate, long: Estimate, short_length: int, long_length: i
             forward_peak_bytes=_fit_dict(small.forward_peak_bytes, layer.forward_peak_bytes, *lengths),
             backward_peak_bytes=_fit_dict(small.backward_peak_bytes, layer.backward_peak_bytes, *lengths),
             seconds={mode: seconds * scale for mode, seconds in layer.seconds.items()},
+            noise_seconds=layer.noise_seconds * scale,
             offload_storages={mode: tuple(math.ceil(n * scale) for n in sizes)
                               for mode, sizes in layer.offload_storages.items()},
         )

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..measure import StepMode, StorageTimeline, created_storages, flop_counter, gradients, op_tensors
 from ..swap import swap_ineligible
+from .group import ALONE, PlanGroup
 
 __all__ = ["ModeProfile", "profile_modes"]
 
@@ -76,6 +77,9 @@ class ModeProfile:
     offloadable: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     """Per layer, the bytes of each storage a swap of the layer would move to host memory (NOTE
     [What a swap would move])."""
+    noise: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Per layer, the seconds its timing cannot resolve (NOTE [Ties within the noise] in solver.py),
+    the same in every mode's profile (real tensors only)."""
 
 
 def _loss(model: nn.Module, sample: Any) -> tuple[torch.Tensor, Any]:
@@ -335,20 +339,24 @@ def _timed_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module
 def profile_modes(
     model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: Sequence[str],
     run_mode: Callable[[str | tuple[str, ...]], Callable[[], None]], rounds: int, clock: Callable[[], float],
+    group: PlanGroup = ALONE,
 ) -> dict[str, ModeProfile]:
     """Profile every mode on every layer (NOTE [Identical layers measured once]), then time at
     least ``rounds`` rounds (NOTE [Timing on a drifting host]). ``modes`` include ``"off"``;
     ``run_mode`` applies a mode to every layer, or a tuple of per-layer modes, and returns an undo;
     ``clock`` synchronises the device and reads the time (``Backend.clock``). Outside the layers,
     ``off`` gets the largest residual any step saw (the cost model takes the largest over the modes,
-    as it did from one step per mode)."""
+    as it did from one step per mode). With a ``group`` of ranks, every step, the groups of identical
+    layers and the number of timed rounds are agreed with the other ranks (NOTE [One plan per job]
+    in group.py)."""
     count = len(layer_modules)
-    off = _profiled_run(model, sample, layer_modules, run_mode, "off")
-    groups = _identical_groups(layer_modules, off)
+    off = group.run(lambda: _profiled_run(model, sample, layer_modules, run_mode, "off"), "in a profiled step")
+    groups = _common_groups(group.gather(lambda: _identical_groups(layer_modules, off), "comparing its layers"))
     others = [mode for mode in modes if mode != "off"]
     profiles = {"off": off, **{mode: _copy(off) for mode in others}}
     for assignment in _assignments(groups, others, count):
-        profile = _profiled_run(model, sample, layer_modules, run_mode, assignment)
+        profile = group.run(lambda assignment=assignment: _profiled_run(model, sample, layer_modules, run_mode,
+                                                                          assignment), "in a profiled step")
         for key, residual in profile.outside_peak.items():
             off.outside_peak[key] = max(off.outside_peak.get(key, 0), residual)
         for position, mode in enumerate(assignment):
@@ -359,9 +367,10 @@ def profile_modes(
         profile.total_flops = off.total_flops + sum(profile.backward_flops.get(p, 0) - off.backward_flops.get(p, 0)
                                                     for p in range(count))
     if rounds:
-        for mode, seconds in _timed_rounds(model, sample, layer_modules, list(modes), run_mode, rounds,
-                                           clock, groups, profiles).items():
-            profiles[mode].seconds = seconds
+        timed, noise = _timed_rounds(model, sample, layer_modules, list(modes), run_mode, rounds, clock, groups,
+                                     profiles, group)
+        for mode, seconds in timed.items():
+            profiles[mode].seconds, profiles[mode].noise = seconds, noise
     return profiles
 
 
@@ -412,6 +421,16 @@ def _identical_groups(layer_modules: Sequence[nn.Module], off: ModeProfile) -> l
         members[(structure(module), *(getattr(off, field).get(position) for field in _SAME_WORK))].append(position)
     group_of = {position: tuple(group) for group in members.values() for position in group}
     return [group_of[position] for position in range(len(layer_modules))]
+
+
+def _common_groups(partitions: Sequence[list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+    """The groups of layers identical on every rank (one partition per rank): a layer whose work
+    differs on one rank (an MoE layer's routing depends on its rank's batch) is measured apart."""
+    members: dict[tuple, list[int]] = defaultdict(list)
+    for position in range(len(partitions[0])):
+        members[tuple(partition[position] for partition in partitions)].append(position)
+    group_of = {position: tuple(group) for group in members.values() for position in group}
+    return [group_of[position] for position in range(len(partitions[0]))]
 
 
 def _assignments(groups: list[tuple[int, ...]], modes: Sequence[str], count: int,
@@ -497,9 +516,11 @@ QUIET = 0.1
 def _timed_rounds(
     model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module], modes: list[str],
     run_mode: Callable[[Any], Callable[[], None]], rounds: int, clock: Callable[[], float],
-    groups: list[tuple[int, ...]], profiles: dict[str, ModeProfile],
-) -> dict[str, dict[int | None, float]]:
-    """Per mode, the seconds by layer (``None``: outside the layers) of NOTE [Timing on a drifting host]."""
+    groups: list[tuple[int, ...]], profiles: dict[str, ModeProfile], group: PlanGroup,
+) -> tuple[dict[str, dict[int | None, float]], dict[int, float]]:
+    """Per mode, the seconds by layer (``None``: outside the layers) of NOTE [Timing on a drifting
+    host], and per layer the noise of NOTE [Ties within the noise] in solver.py. The rounds stop
+    when they would on every rank of ``group``."""
     count = len(layer_modules)
     heads = sorted(set(group[0] for group in groups))
     ratios: dict[tuple[int, str], list[float]] = defaultdict(list)
@@ -510,11 +531,8 @@ def _timed_rounds(
     for done in range(max(MAX_ROUNDS, rounds)):
         readings: dict[tuple[int, str], list[float]] = defaultdict(list)
         for assignment in _assignments(groups, modes, count, start=done):
-            undo = run_mode(assignment)
-            try:
-                seconds = _timed_step(model, sample, layer_modules, clock)
-            finally:
-                undo()
+            seconds = group.run(lambda assignment=assignment: _timed_run(model, sample, layer_modules, run_mode,
+                                                                         assignment, clock), "in a timed step")
             outside.append(seconds[None])
             for position, mode in enumerate(assignment):
                 readings[groups[position][0], mode].append(seconds[position])
@@ -529,10 +547,12 @@ def _timed_rounds(
         medians = {head: {m: statistics.median(ratios[head, m]) for m in modes} for head in heads}
         noises = {head: statistics.median(spreads[head]) if spreads[head] else None for head in heads}
         order = [_ranking(medians[head], noises[head] or 0.0) for head in heads]
-        if all(_settled(medians[head], noises[head]) for head in heads) or (done + 1 >= rounds and order == ranking):
+        stop = all(_settled(medians[head], noises[head]) for head in heads) or (done + 1 >= rounds and order == ranking)
+        if group.all(stop, "at the end of a timed round"):
             break
         ranking = order
     result: dict[str, dict[int | None, float]] = {mode: {None: statistics.median(outside)} for mode in modes}
+    noise_by_layer: dict[int, float] = {}
     for head in heads:
         scale = statistics.median(scales[head])
         measured = {mode: scale * statistics.median(ratios[head, mode]) for mode in modes}
@@ -540,7 +560,18 @@ def _timed_rounds(
         decided = _decide_within_noise(measured, noise, profiles, head)
         for mode in modes:
             result[mode].update(dict.fromkeys(groups[head], decided[mode]))
-    return result
+        noise_by_layer.update(dict.fromkeys(groups[head], max(noise, NOISE_FLOOR * decided["off"])))
+    return result, noise_by_layer
+
+
+def _timed_run(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module],
+               run_mode: Callable[[Any], Callable[[], None]], assignment: tuple[str, ...],
+               clock: Callable[[], float]) -> dict[int | None, float]:
+    undo = run_mode(assignment)
+    try:
+        return _timed_step(model, sample, layer_modules, clock)
+    finally:
+        undo()
 
 
 def _ranking(ratios: dict[str, float], noise: float) -> list[frozenset[str]]:

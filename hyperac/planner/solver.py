@@ -5,7 +5,8 @@ kept bytes of the layers before one plus that layer's residual, so it is checked
 while walking the layers in order. :func:`choose_modes` is a dynamic program over the bytes kept
 by the layers walked so far: on a byte grid, exactly when the byte counts' common divisor makes a
 fine enough grid, else with each layer's bytes rounded up (a chosen plan never exceeds the budget).
-The objective is predicted seconds; ``objective="flops"`` minimises replayed FLOPs instead, and
+The objective is predicted seconds (modes within the timing's noise tied, NOTE [Ties within the
+noise]); ``objective="flops"`` minimises replayed FLOPs instead, and
 ``bound="kept"`` bounds only the bytes kept when backward starts (hyperac's earlier meaning of a
 budget, which lets the recompute transients of backward exceed it).
 
@@ -25,15 +26,49 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ConfigError
-from .cost import ESTIMATE_MODES, Estimate, split_option
+from .cost import ESTIMATE_MODES, Estimate, LayerEstimate, split_option
 
-__all__ = ["choose_modes"]
+__all__ = ["choose_modes", "tied_seconds"]
+
+# NOTE [Ties within the noise]
+# The same job must get the same plan run to run, but a layer's measured seconds move with the
+# host's load (NOTE [Timing on a drifting host] in profile.py): two modes closer than the noise of
+# the layer's timing (``LayerEstimate.noise_seconds``: its off-vs-off control, and at least
+# ``NOISE_FLOOR`` of its ``off`` seconds) rank one way in one run and the other way in the next, and
+# the plan would follow. So the solver ties them. Per layer, the recompute modes sorted by seconds
+# form classes, each mode within the noise of the class's fastest; every mode of a class costs the
+# class's fastest seconds, plus steps of ``TIE_STEP`` of that (far below any difference the timing
+# resolves, so they never trade against another layer's seconds) in a fixed order: fewer kept bytes
+# first, then fewer replayed FLOPs, then the order of ``ESTIMATE_MODES``. Modes further apart than
+# the noise keep their measured order. ``off`` ties with none: every mode runs at least its work
+# (NOTE [When the rounds stop]), so where the timing cannot tell them apart ``off`` is no slower,
+# and a busy host (noise as large as a whole replay) does not turn every plan into ``full``.
+# Predictions (``Estimate.step_seconds``) stay the measured seconds.
+TIE_STEP = 1e-9
 
 
-def _cost(estimate: Estimate, position: int, mode: str, objective: str) -> float:
+def tied_seconds(layer: LayerEstimate) -> dict[str, float]:
+    """The layer's seconds per mode as the solver weighs them (NOTE [Ties within the noise])."""
+    classes: list[list[str]] = []
+    tied = {mode: layer.seconds[mode] for mode in layer.seconds if mode == "off"}
+    recompute = [mode for mode in layer.seconds if mode != "off"]
+    for mode in sorted(recompute, key=lambda m: (layer.seconds[m], ESTIMATE_MODES.index(m))):
+        if not classes or layer.seconds[mode] - layer.seconds[classes[-1][0]] > layer.noise_seconds:
+            classes.append([])
+        classes[-1].append(mode)
+    for members in classes:
+        fastest = layer.seconds[members[0]]
+        ranked = sorted(members, key=lambda m: (layer.kept_bytes[m], layer.recompute_flops[m], ESTIMATE_MODES.index(m)))
+        tied.update({mode: fastest * (1 + step * TIE_STEP) for step, mode in enumerate(ranked)})
+    return tied
+
+
+def _costs(estimate: Estimate, options: Sequence[str], position: int, objective: str) -> list[float]:
+    layer = estimate.layers[position]
     if objective == "flops":
-        return estimate.layers[position].recompute_flops[split_option(mode)[0]]
-    return estimate.option_seconds(position, mode)
+        return [layer.recompute_flops[split_option(option)[0]] for option in options]
+    tied = tied_seconds(layer)
+    return [tied[split_option(option)[0]] + estimate.exposed_copy_seconds(position, option) for option in options]
 
 
 # NOTE [Swap in the solver]
@@ -130,7 +165,7 @@ class _Program:
         count = len(estimate.layers)
         self.weights = [[estimate.kept_on_device(p, m) for m in options] for p, options in enumerate(allowed)]
         self.hosts = [[estimate.layer_host_bytes(p, m) for m in options] for p, options in enumerate(allowed)]
-        self.costs = [[_cost(estimate, p, m, objective) for m in options] for p, options in enumerate(allowed)]
+        self.costs = [_costs(estimate, options, p, objective) for p, options in enumerate(allowed)]
         offloads = sorted({estimate.offload_bytes(p, m) for p, options in enumerate(allowed) for m in options
                            if split_option(m)[1]}) if self.peak else []
         if len(offloads) > MAX_IN_FLIGHT - 1:  # keep evenly spaced ones, the largest among them
