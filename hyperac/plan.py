@@ -267,6 +267,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "mode": lambda value: isinstance(value, str) and value in MODE_LETTERS,
     "int >= 0": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
     "int >= 1": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+    "int >= 2": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 2,
     "number >= 0": lambda value: (isinstance(value, (int, float)) and not isinstance(value, bool)
                                   and math.isfinite(value) and value >= 0),
 }
@@ -313,6 +314,7 @@ _PLAN_FIELDS = {
     "seq_dim": _Field("int >= 0", "the sequence dimension as an int >= 0 (1 for (batch, seq)), or None",
                       optional=True),
     "buckets": _Field("checked apart", "a list of bucket dicts, shortest first", sequence=True),
+    "group_size": _Field("int >= 2", "an int >= 2 (the ranks that made the plan together), or None", optional=True),
 }
 _LAYER_FIELDS = {
     "index": _Field("int >= 0", "an int >= 0 (the layer's flat index)", required=True),
