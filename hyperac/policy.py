@@ -65,7 +65,7 @@ from .op_identity import communicates, key_length
 from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay_check import cast_of_a_leaf, divergence
 
-__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
+__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "routing_ops", "weighing_attention_at"]
 
 _MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul",
@@ -230,12 +230,17 @@ class OpSets:
         return info
 
 
+def routing_ops() -> frozenset:
+    """The overloads of the ops that decide a data-dependent route (NOTE [Routing is kept] in routing.py)."""
+    return _all_overloads(_ROUTING_OPS)
+
+
 def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -> OpSets:
     """Resolve every op set from the ops registered now and the backend's own kernels; with
     ``save_ops`` (``Config.save_ops``), the kept ops and matmuls are those it names."""
     _import_fsdp_ops()
     matmul = _all_overloads(_MATMUL_OPS)
-    routing = _all_overloads(_ROUTING_OPS)
+    routing = routing_ops()
     if save_ops is None:
         keep = (
             _all_overloads(_ALWAYS_KEEP_OPS)

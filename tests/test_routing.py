@@ -16,7 +16,7 @@ import types
 
 import pytest
 import torch
-from hyperac_testing import Stack, assert_parity, lm_loss, tiny_mixtral, tiny_qwen3_moe, train_step
+from hyperac_testing import Stack, assert_parity, lm_loss, tiny_mixtral, tiny_qwen2, tiny_qwen3_moe, train_step
 from torch import nn
 from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -186,3 +186,46 @@ def test_a_router_named_in_force_recompute_gives_up_the_guarantee_with_a_hyperac
             r"ran it on tensors of shapes \[16\], \[\d+, 16\], \[16, 16\], "
             r"the recompute on \[16\], \[\d+, 16\], \[16, 16\], which the output the forward kept does not fit")):
         loss.backward()
+
+
+def test_routes_are_counted_in_plans_and_shown_in_print_plan():
+    """``full`` keeps a routing layer's input and its routes: Mixtral's grouped experts route with ``topk``
+    (values and indices of 256 tokens x 2), ``sort`` of the 512 expert ids (values and indices) and
+    ``histc`` (4 counts); the estimate's bytes say so, and an auto plan's print names them."""
+    tokens, top_k = 4 * 64, 2
+    routes = tokens * top_k * (4 + 8) + tokens * top_k * (8 + 8) + 4 * 4
+    ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(0))
+    sample = {"input_ids": ids, "labels": ids}
+    estimate = hyperac.estimate(tiny_mixtral(num_layers=2, experts_implementation="grouped_mm"), sample, backend="cpu")
+    for layer in estimate.layers:
+        assert layer.route_bytes == routes
+        assert layer.kept_bytes["full"] == tokens * 32 * 4 + routes  # the layer input, float32, and the routes
+    plain = hyperac.estimate(tiny_qwen2(num_layers=2), sample, backend="cpu")
+    assert {layer.route_bytes for layer in plain.layers} == {0}
+    assert {layer.kept_bytes["full"] for layer in plain.layers} == {tokens * 32 * 4}
+    plan = hyperac.apply(tiny_mixtral(num_layers=2, experts_implementation="grouped_mm"), mode="auto", backend="cpu",
+                         budget=0.6, sample=sample)
+    assert (f"note: 2 recomputed layer(s) route data-dependently (model.layers.0, model.layers.1): their replays take "
+            f"the forward's routes, kept for backward, {2 * routes / 2**10:.1f} KiB per step") in str(plan)
+
+
+MODES_SEEN: list[int] = []
+"""How many dispatch modes were active as a watched module ran, per call (module level, as ``PICKS``)."""
+
+
+def _modes_inside(module: nn.Module, args: tuple) -> None:
+    MODES_SEEN.append(torch._C._len_torch_dispatch_stack())
+
+
+def test_full_layers_that_route_nothing_pay_nothing_after_their_first_forward():
+    """``full`` finds routing layers on their first training forward; from the second step on, a layer that
+    routed nothing runs its forward and replay under no dispatch mode, and a routing layer under one."""
+    for model, routing in ((tiny_qwen2(num_layers=2), False), (tiny_mixtral(num_layers=2), True)):
+        model.model.layers[0].post_attention_layernorm.register_forward_pre_hook(_modes_inside)
+        hyperac.apply(model, mode="full", backend="cpu")
+        MODES_SEEN.clear()
+        train_step(model, LOSS)
+        assert MODES_SEEN == [1, 1]  # the first forward is watched, and so is its replay
+        MODES_SEEN.clear()
+        train_step(model, LOSS)
+        assert MODES_SEEN == ([1, 1] if routing else [0, 0])

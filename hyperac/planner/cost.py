@@ -87,6 +87,9 @@ class LayerEstimate:
     offload_storages: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     """Per mode, the bytes of each storage a swap of this layer would move to host memory (NOTE
     [What a swap would move] in profile.py), whatever their size."""
+    route_bytes: int = 0
+    """The bytes of the routes this layer decides in forward, which every mode that replays keeps
+    (counted in :attr:`kept_bytes`; NOTE [Routing is kept] in routing.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +233,7 @@ def build_estimate(layers: Sequence[Any], profiles: dict[str, ModeProfile], devi
             backward_peak_bytes={m: profiles[m].backward_peak.get(position, 0) for m in modes},
             seconds={m: _layer_seconds(position, m, profiles, device, host) for m in modes},
             offload_storages={m: tuple(profiles[m].offloadable.get(position, ())) for m in modes},
+            route_bytes=off.routes.get(position, 0),
         )
         for position, layer in enumerate(layers)
     )
