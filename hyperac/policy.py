@@ -409,8 +409,12 @@ class SelectivePolicy:
         return kind >= _KEEP
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        """The decision for ``op`` in PyTorch's policy-function form."""
+        """The decision for ``op`` in PyTorch's policy-function form. Routes are recomputed here: a region
+        the compiler splits at a graph break runs PyTorch's eager selective checkpoint, which refuses a
+        router's in-place write into a cached ``topk`` output (NOTE [Routing is kept] in routing.py)."""
         kind = self.ops.classify(op)[0]
+        if kind == _ROUTE:
+            return CheckpointPolicy.MUST_RECOMPUTE
         if self.keeps(kind, op, args):
             return self.kept
         return CheckpointPolicy.PREFER_RECOMPUTE

@@ -32,8 +32,10 @@ no route and is recomputed.
 ``force_recompute=`` naming the router still wins: its routing ops keep nothing and are run again, and
 the guarantee is given up for it; a route that then comes out otherwise raises where a kept output no
 longer fits (NOTE [Kept outputs that no longer fit] in policy.py) or trains with the replay's route.
-Under ``torch.compile`` (``compile=True``) the selective modes save routing ops (``MUST_SAVE``); a
-compiled ``full`` layer replays its graph, routing included.
+Not covered: layers applied with ``compile=True``. Their regions run PyTorch's selective checkpoint,
+whose eager fallback (a region the compiler splits at a graph break, as HF's eager experts make one)
+refuses a write into a cached output, which routers make; so there routing ops are recomputed, as
+before, and a compiled ``full`` layer replays its graph, routing included.
 """
 
 from __future__ import annotations
