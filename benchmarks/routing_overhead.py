@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 import hyperac
+from hyperac.buffers import BufferSnapshots
 from hyperac.recompute import RecomputedForward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -43,7 +44,8 @@ def _step(model: torch.nn.Module, routes: bool) -> Callable[[], float]:
     if not routes:
         for module in model.modules():
             if isinstance(module.forward, RecomputedForward):  # its context, inside a buffer snapshot if any
-                context = getattr(module.forward.context, "context_fn", module.forward.context)
+                context = module.forward.context
+                context = context.context_fn if isinstance(context, BufferSnapshots) else context
                 context.routes_seen.routes = False
     loss = lm_loss(batch=4, seq=64)
 

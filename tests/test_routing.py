@@ -141,6 +141,10 @@ def test_topk_runs_once_and_a_router_writing_into_it_stays_exact(family, mode):
             assert counter.runs == 2, (experts, counter.runs)
 
 
+SPLITS: dict[int, list[list[int]]] = {}
+"""Layer id -> the split sizes it gave its experts per call, forward then replays (module level, as ``PICKS``)."""
+
+
 class _Router(nn.Module):
     """Picks one expert per token from noisy scores (``NOISE``) and counts the tokens per expert."""
 
@@ -164,9 +168,43 @@ class _SplitMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         order, counts = self.router(x)
+        SPLITS.setdefault(id(self), []).append(counts.tolist())
         parts = x[order].split(counts.tolist())
         out = torch.cat([expert(part) for expert, part in zip(self.experts, parts)])
         return x + torch.zeros_like(x).index_copy(0, order, out)
+
+
+@pytest.mark.parametrize("mode", ("full", "selective", "selective-even", "pointwise"))
+def test_split_sizes_from_kept_counts_match_in_every_replay(mode):
+    """Counts made into split sizes (``bincount`` then ``.tolist()``, as an expert-parallel all-to-all takes
+    them) are the forward's in the replay, under noise of 0.5 on the router's scores, and so in a second
+    replay through a retained graph."""
+    model = Stack(_SplitMoe)
+    x = torch.randn(64, 16, requires_grad=True)
+    hyperac.apply(model, mode=mode, backend="cpu", layers="blocks")
+    SPLITS.clear()
+    NOISE.manual_seed(0)
+    loss = model(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert [len(splits) for splits in SPLITS.values()] == [3, 3]
+    for splits in SPLITS.values():
+        assert splits[1] == splits[2] == splits[0], splits
+
+
+@pytest.mark.parametrize("mode", ("full", "selective"))
+def test_a_second_replay_routes_as_the_forward_did(mode):
+    """A second backward through a retained graph replays again, with the forward's routes too."""
+    model = _noisy_moe("mixtral", "grouped_mm")
+    hyperac.apply(model, mode=mode, backend="cpu")
+    model.train()
+    PICKS.clear()
+    NOISE.manual_seed(0)
+    loss = LOSS(model)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert [len(picks) for picks in PICKS.values()] == [3, 3]
+    assert _flipped() == 0
 
 
 def test_a_router_named_in_force_recompute_gives_up_the_guarantee_with_a_hyperac_error():
