@@ -267,3 +267,54 @@ def test_full_layers_that_route_nothing_pay_nothing_after_their_first_forward():
         MODES_SEEN.clear()
         train_step(model, LOSS)
         assert MODES_SEEN == ([1, 1] if routing else [0, 0])
+
+
+DECISIONS: dict[int, list[object]] = {}
+"""Layer id -> the route it decided per call, forward then replays (module level, as ``PICKS``)."""
+
+ROUTES = {
+    "topk": lambda s: s.topk(2, dim=-1).indices,
+    "sort": lambda s: s.sort(dim=-1).indices,
+    "argsort": lambda s: s.argsort(dim=-1, stable=True),
+    "argmax": lambda s: s.argmax(-1),
+    "argmin": lambda s: s.argmin(-1),
+    "max over a dim": lambda s: s.max(dim=-1).indices,
+    "min over a dim": lambda s: s.min(dim=-1).indices,
+    "kthvalue": lambda s: s.kthvalue(2, dim=-1).indices,
+    "nonzero": lambda s: torch.nonzero(s[:, 0] > 0),
+    "where(mask)": lambda s: torch.where(s[:, 0] > 0)[0],
+    "bincount": lambda s: torch.bincount((s[:, 0] * 2).clamp(-1, 1).round().long() + 1, minlength=3),
+    "histc": lambda s: torch.histc(s[:, 0], bins=4, min=-1, max=1),
+    "unique": lambda s: torch.unique((s[:, 0] * 2).round(), return_counts=True)[1],
+    ".item()": lambda s: (s[:, 0] > 0).sum().item(),
+}
+
+
+class _Deciding(nn.Module):
+    """Decides a route with ``self.route`` from noisy scores (``NOISE``) and records it."""
+
+    def __init__(self, route: str) -> None:
+        super().__init__()
+        self.route = route
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.proj(x) + 0.5 * torch.randn(x.shape[0], 4, generator=NOISE)
+        decided = ROUTES[self.route](scores)
+        DECISIONS.setdefault(id(self), []).append(decided.clone() if isinstance(decided, torch.Tensor) else decided)
+        return x + scores.tanh().sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("mode", ("full", "selective", "pointwise"))
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_routing_op_decides_as_in_the_forward(route, mode):
+    """Each kind of op that decides a data-dependent route is taken from the forward in the replay."""
+    model = Stack(lambda: _Deciding(route))
+    hyperac.apply(model, mode=mode, backend="cpu", layers="blocks")
+    DECISIONS.clear()
+    NOISE.manual_seed(0)
+    model(torch.randn(64, 16, requires_grad=True)).sum().backward()
+    assert [len(decided) for decided in DECISIONS.values()] == [2, 2]
+    for forward, replayed in DECISIONS.values():
+        assert type(forward) is type(replayed)
+        assert torch.equal(forward, replayed) if isinstance(forward, torch.Tensor) else forward == replayed
