@@ -16,7 +16,10 @@ the rest:
   so kernels registered after import (a vendor extension, custom kernels) count, and any op whose
   schema takes a process group or a group's name is a collective, found when first seen (NOTE
   [Collectives by their schema] in op_identity.py);
-* ``topk`` is always recomputed: models (MoE routers) change its outputs in place;
+* what decides a data-dependent route (an MoE router's ``topk``, ``sort``, ``argmax``, ``nonzero``,
+  ``bincount``, ``histc``, ``.item()``) is kept in every mode and never run again, so the replay routes
+  as its forward did (NOTE [Routing is kept] in routing.py); a router that writes into its ``topk``
+  output in place is given the value ``topk`` returned (NOTE [Writes into kept outputs]);
 * higher-order ops (flex attention, a compiled region called from an eager layer, control flow, a
   user's own) reach the recording and replay modes as one op each, with a rule per op: flex attention
   is attention, compiled regions are kept, control flow is replayed, an unknown one is kept (NOTE
@@ -62,14 +65,22 @@ from .op_identity import communicates, key_length
 from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay_check import cast_of_a_leaf, divergence
 
-__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
+__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "routing_ops", "weighing_attention_at"]
 
 _MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul",
     "aten::_grouped_mm", "aten::_scaled_mm", "aten::_scaled_grouped_mm",
 )
 _ALWAYS_KEEP_OPS = ("aten::max.default", "aten::convolution", "aten::upsample_bilinear2d")
-_ALWAYS_RECOMPUTE_OPS = ("aten::topk",)
+_ROUTING_OPS = (
+    "aten::topk", "aten::sort", "aten::argsort", "aten::argmax", "aten::argmin", "aten::max.dim", "aten::min.dim",
+    "aten::kthvalue", "aten::nonzero", "aten::nonzero_static", "aten::bincount", "aten::histc", "aten::_unique2",
+    "aten::unique_dim", "aten::unique_consecutive", "aten::_local_scalar_dense",
+)
+"""Ops whose output decides a data-dependent route: which experts a token goes to, in what order, how many
+tokens each expert gets (the split sizes of an expert-parallel all-to-all), a value read to the host
+(``.item()``; ``.tolist()`` reads memory without an op, so a count is kept where it is made). Kept in
+every mode (NOTE [Routing is kept] in routing.py)."""
 _KEY_SEQUENCE_DIMS = {
     "aten::_scaled_dot_product_flash_attention": -2,
     "aten::_scaled_dot_product_flash_attention_for_cpu": -2,
@@ -137,9 +148,11 @@ def _import_fsdp_ops() -> None:
 
 # What an op is to a policy. The recording and replay modes look each op up once per call, in a
 # per-OpSets table keyed by ``id(op)`` (hashing an OpOverload runs Python code; an int does not).
-# ``_ONCE``: higher-order ops kept in every recording mode and never replayed, as collectives are,
-# unless they wrote into their inputs (NOTE [Higher-order operators] in higher_order.py).
-_OTHER, _RECOMPUTE, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _COLLECTIVE, _ONCE = range(8)
+# ``_ROUTE``: kept unless inside a module of ``Config.force_recompute``, never pruned, handed to every
+# replay (NOTE [Routing is kept] in routing.py). ``_ONCE``: higher-order ops kept in every recording mode
+# and never replayed, as collectives are, unless they wrote into their inputs (NOTE [Higher-order
+# operators] in higher_order.py).
+_OTHER, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _ROUTE, _COLLECTIVE, _ONCE = range(8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +163,8 @@ class OpSets:
 
     matmul: frozenset
     keep: frozenset
-    recompute: frozenset
+    routing: frozenset
+    """The ops that decide a data-dependent route, kept in every mode (NOTE [Routing is kept] in routing.py)."""
     ignored: frozenset
     communication: frozenset = frozenset()
     """The collectives the backend names (those whose schema takes no group); with every op whose
@@ -168,10 +182,13 @@ class OpSets:
         # it exists).
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "table", types.MappingProxyType(self._cache))
+        # ``id`` of each routing op, for the ``full`` mode's routing modes (routing.py); stable, as the
+        # set holds the ops.
+        object.__setattr__(self, "routing_ids", frozenset(id(op) for op in self.routing))
 
     def __reduce__(self) -> tuple:
         # The cache is keyed by ids of this process: a copy or an unpickled OpSets starts empty.
-        return OpSets, (self.matmul, self.keep, self.recompute, self.ignored, self.communication, self.save_ops,
+        return OpSets, (self.matmul, self.keep, self.routing, self.ignored, self.communication, self.save_ops,
                         self.attention)
 
     def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool, bool]:
@@ -184,8 +201,8 @@ class OpSets:
         keyed = isinstance(op, torch._ops.HigherOrderOperator)
         if op in self.ignored or op in torch_recompute.SAC_IGNORED_OPS:
             kind = _IGNORED
-        elif op in self.recompute:
-            kind = _RECOMPUTE
+        elif op in self.routing:
+            kind = _ROUTE
         elif op in self.communication or communicates(op):
             kind = _COLLECTIVE
         elif keyed and higher_order.rule(op) == higher_order.ONCE:
@@ -213,12 +230,17 @@ class OpSets:
         return info
 
 
+def routing_ops() -> frozenset:
+    """The overloads of the ops that decide a data-dependent route (NOTE [Routing is kept] in routing.py)."""
+    return _all_overloads(_ROUTING_OPS)
+
+
 def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -> OpSets:
     """Resolve every op set from the ops registered now and the backend's own kernels; with
     ``save_ops`` (``Config.save_ops``), the kept ops and matmuls are those it names."""
     _import_fsdp_ops()
     matmul = _all_overloads(_MATMUL_OPS)
-    recompute = _all_overloads(_ALWAYS_RECOMPUTE_OPS)
+    routing = routing_ops()
     if save_ops is None:
         keep = (
             _all_overloads(_ALWAYS_KEEP_OPS)
@@ -230,12 +252,12 @@ def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -
         keep = _named_ops(save_ops)
         matmul = matmul & keep
     ignored = _all_overloads(_PROFILER_OPS + _FSDP_LIFECYCLE_OPS)
-    communication = backend.communication_ops() - ignored - recompute
-    keep = (keep | communication) - matmul - recompute
+    communication = backend.communication_ops() - ignored - routing
+    keep = (keep | communication) - matmul - routing
     attention = frozenset() if save_ops is not None else frozenset(
         op for op in keep if _key_sequence_dim(op) is not None
     )
-    return OpSets(matmul=matmul, keep=keep, recompute=recompute, ignored=ignored,
+    return OpSets(matmul=matmul, keep=keep, routing=routing, ignored=ignored,
                   communication=communication, save_ops=save_ops, attention=attention)
 
 
@@ -387,11 +409,15 @@ class SelectivePolicy:
         return kind >= _KEEP
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        """The decision for ``op`` in PyTorch's policy-function form."""
+        """The decision for ``op`` in PyTorch's policy-function form. Routes are recomputed here: a region
+        the compiler splits at a graph break runs PyTorch's eager selective checkpoint, which refuses a
+        router's in-place write into a cached ``topk`` output (NOTE [Routing is kept] in routing.py)."""
         kind = self.ops.classify(op)[0]
+        if kind == _ROUTE:
+            return CheckpointPolicy.MUST_RECOMPUTE
         if self.keeps(kind, op, args):
             return self.kept
-        return CheckpointPolicy.MUST_RECOMPUTE if kind == _RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # Set while a module that a recompute region excludes runs its forward: its ops are neither
@@ -413,11 +439,16 @@ class _Kept:
     the aliases of their storages whose version counters are their own
     (NOTE [Aliases with their own version counter])."""
 
-    __slots__ = ("aliases", "leaves", "rng", "spec", "versions", "written")
+    __slots__ = ("aliases", "lasting", "leaves", "rng", "shapes", "spec", "versions", "written")
 
     def __init__(self, leaves: list[Any], spec: Any, rng: GeneratorStates | None,
-                 written: dict[int, int] | None = None) -> None:
+                 written: dict[int, int] | None = None, shapes: tuple = (), lasting: bool = False) -> None:
         self.leaves = leaves
+        self.shapes = shapes
+        """The shapes of the op's tensor arguments in forward, which the replay's must equal
+        (NOTE [Kept outputs that no longer fit])."""
+        self.lasting = lasting
+        """A route: handed to every replay, as a copy, rather than once (NOTE [Routing is kept] in routing.py)."""
         self.written = written or {}
         """Output leaf position -> position among the op's argument leaves of the tensor it is (a
         collective that writes into its arguments; NOTE [Collectives that write into their arguments])."""
@@ -450,7 +481,14 @@ class _Kept:
                 with torch.autograd._unsafe_preserve_version_counter(flat[index]):  # as the collective's write
                     flat[index].copy_(leaves[position])
                 leaves[position] = flat[index]
+        if self.lasting:  # a replay may write into what it is given (a router's ``topk`` output)
+            leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         return leaves[0] if self.spec is None else tree_unflatten(leaves, self.spec)
+
+
+def _shapes(args: tuple) -> tuple:
+    """The shapes of the tensors among an op's positional arguments."""
+    return tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor))
 
 
 def _written_arguments(leaves: list[Any], arguments: Any) -> dict[int, int]:
@@ -500,6 +538,20 @@ class _Tape:
 def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
     recorded = tape.keys[index] if index < len(tape.keys) else "nothing more"
     return divergence(tape.layer, tape.index, f"op {index} of {len(tape.keys)}", f"ran {recorded}", f"ran {ran}")
+
+
+def unfit(layer: str, index: int | None, where: str, kept: tuple, args: tuple) -> RecomputeMismatchError:
+    """The error for a kept output, of the op at ``where`` in the replay of ``layer``, that the replay's
+    arguments ``args`` no longer fit (NOTE [Kept outputs that no longer fit])."""
+    def listed(shapes: tuple) -> str:
+        return ", ".join(str(list(shape)) for shape in shapes)
+
+    return divergence(
+        layer, index, where, f"ran it on tensors of shapes {listed(kept)}",
+        f"on {listed(_shapes(args))}, which the output the forward kept does not fit (a size that depends on the data "
+        "came out otherwise: a route was recomputed, as in a module named in force_recompute= (leave the router out "
+        "of it to keep its routes), or the replay was given other data)",
+    )
 
 
 class _EagerMode(TorchDispatchMode):
@@ -644,12 +696,13 @@ class _RecordingMode(_EagerMode):
             keeps = not higher_order.wrote(versions)
         # a collective keeps its arguments, for what it wrote (NOTE [Collectives that write into their arguments])
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
-        self.tape.entries.append(self._keep(out, draws_since(generators), arguments) if keeps else None)
-        if kind >= _COLLECTIVE or keyed:
+        self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE)
+                                 if keeps else None)
+        if kind >= _ROUTE or keyed:  # routes, collectives and higher-order ops are never pruned
             self.never_pruned.add(len(self.tape.entries) - 1)
         return out
 
-    def _keep(self, out: Any, rng: GeneratorStates | None, arguments: Any = None) -> _Kept:
+    def _keep(self, out: Any, rng: GeneratorStates | None, arguments: Any, args: tuple, lasting: bool) -> _Kept:
         leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         written = {} if arguments is None else _written_arguments(leaves, arguments)
         if written:  # wait for the write (NOTE [Collectives that write into their arguments])
@@ -663,7 +716,7 @@ class _RecordingMode(_EagerMode):
                 if self.on_save is not None:
                     self.on_save(leaf)
                 leaves[position] = torch_recompute._detach_helper(leaf)
-        kept = _Kept(leaves, spec, rng, written)
+        kept = _Kept(leaves, spec, rng, written, _shapes(args), lasting)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 self.kept_storages.setdefault(leaf.untyped_storage()._cdata, []).append((kept, position))
@@ -783,7 +836,18 @@ class _ReplayMode(_EagerMode):
     runs the op again, as full recompute would; so does any replay of a kept output that a write
     hyperac did not see has changed (NOTE [Writes into kept outputs]). The op's inputs are the
     replayed ones, equal to the forward's, so the result is the forward's, bitwise where the op is
-    deterministic.
+    deterministic. A route is the exception: it is handed, as a copy, to every replay (NOTE [Routing
+    is kept] in routing.py).
+
+    NOTE [Kept outputs that no longer fit]
+    A kept output is right only for the arguments its op had in forward. Where a size depends on the
+    data (tokens per expert, after a route that was recomputed: a router named in ``force_recompute=``,
+    or a replay fed other data), the replay reaches a kept op with arguments of other shapes, and the
+    kept output would surface later as a raw shape error far from its cause ("The size of tensor a (58)
+    must match the size of tensor b (57)"), or, where shapes happen to agree, as wrong gradients. So
+    each kept output holds the shapes of its op's tensor arguments (a tuple per kept op, compared once
+    in the replay), and a replay whose arguments differ raises :class:`RecomputeMismatchError` naming
+    the layer, the op and both shapes.
     """
 
     def __init__(self, tape: _Tape, ops: OpSets, before_replay: Callable[[], None] | None) -> None:
@@ -849,9 +913,12 @@ class _ReplayMode(_EagerMode):
         kept = tape.entries[index]
         if kept is None:
             return func(*args, **kwargs)
-        tape.entries[index] = _CONSUMED
+        if kept is _CONSUMED or not kept.lasting:
+            tape.entries[index] = _CONSUMED
         if kept is _CONSUMED or not kept.intact():
             return func(*args, **kwargs)
+        if kept.shapes != _shapes(args):  # NOTE [Kept outputs that no longer fit]
+            raise unfit(tape.layer, tape.index, f"op {index} of {len(tape.keys)} ({func})", kept.shapes, args)
         if kept.rng is not None:
             restore_generators(kept.rng)  # NOTE [Kept ops that draw random numbers] in random_sources.py
         return kept.value((args, kwargs))

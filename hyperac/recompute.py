@@ -67,6 +67,7 @@ from .random_sources import TrackerReplay, rng_states, set_rng_states
 from .replay_check import full_replay_contexts
 from .replay_context import ForwardContext
 from .reread import Reread
+from .routing import RoutesSeen, routes_in_full
 from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 
@@ -148,6 +149,7 @@ class RecomputeContext:
         self.layer, self.index = layer, index
         self._ops = ops
         self.save_ops = None if ops is None else ops.save_ops
+        self.routes_seen = RoutesSeen()  # NOTE [Routing is kept] in routing.py
         # Built here, not in the traced frame (NOTE [One graph per layer plan]).
         self._compiled = compile_context_fn(self.backend_type, mode, swap_outputs, self.save_ops) if compile else None
 
@@ -180,6 +182,9 @@ class RecomputeContext:
             forward_ctx, replay_ctx = selective_contexts(self.ops, group, self.mode, self.layer, self.index)
         elif self.mode == "full" and not self.compile:
             forward_ctx, replay_ctx = full_replay_contexts(self.layer, self.index, self.has_exclusions)
+            routing = routes_in_full(self.routes_seen, self.ops, self.layer, self.index)
+            if routing is not None:
+                forward_ctx, replay_ctx = _Both(forward_ctx, routing[0]), _Both(replay_ctx, routing[1])
         else:
             forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         if not self.has_exclusions:

@@ -160,6 +160,19 @@ def tiny_mixtral(num_layers: int = 3, **overrides: Any) -> nn.Module:
     return _seeded(MixtralForCausalLM, MixtralConfig(**settings))
 
 
+def tiny_qwen3_moe(num_layers: int = 3, **overrides: Any) -> nn.Module:
+    """A Qwen3-MoE: 4 experts with top-2 routing (weights renormalized after top-k), hidden size 32."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    settings = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    )
+    settings.update(overrides)
+    return _seeded(Qwen3MoeForCausalLM, Qwen3MoeConfig(**settings))
+
+
 def tiny_gemma3n_text(num_layers: int = 4, num_kv_shared_layers: int = 2, **overrides: Any) -> nn.Module:
     """A Gemma-3n text model (AltUp, LAuReL, per-layer inputs) whose last ``num_kv_shared_layers``
     layers reuse the keys and values of earlier layers; hidden size 32."""

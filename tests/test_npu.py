@@ -173,7 +173,7 @@ def test_npu_op_handles_resolve_lazily(npu_ops):
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in backend.attention_ops()
     ops = resolve_op_sets(backend)
     assert {attention, v2, v3, mc2} <= ops.keep and mc2 in ops.communication
-    assert not {attention, v2, v3} & (ops.matmul | ops.recompute)
+    assert not {attention, v2, v3} & (ops.matmul | ops.routing)
     cpu_ops = resolve_op_sets(CpuBackend())
     # The composite SDPA is attention on every backend (one that decomposes it never shows it to the policy).
     assert attention not in cpu_ops.keep and torch.ops.aten.scaled_dot_product_attention.default in cpu_ops.attention

@@ -32,7 +32,7 @@ import hyperac
 from hyperac.backends import get_backend
 from hyperac.backends.npu import _NPU_COMMUNICATION_OPS
 from hyperac.op_identity import communicates
-from hyperac.policy import _ATTENTION, _COLLECTIVE, _KEEP, _MATMUL, _RECOMPUTE, resolve_op_sets
+from hyperac.policy import _ATTENTION, _COLLECTIVE, _KEEP, _MATMUL, _ROUTE, resolve_op_sets
 
 DIM, TOKENS, EXPERTS = 16, 12, 4
 RUNS: collections.Counter = collections.Counter()
@@ -521,7 +521,7 @@ _REFERENCE_TREATMENT = {
                  "ffpa_attn::_fwd_cute", "ffpa_attn::_varlen_fwd_cute"),
     _COLLECTIVE: ("_c10d_functional::all_to_all_single", "_c10d_functional::reduce_scatter_tensor",
                   "c10d::allreduce_", "deepep::dispatch", "deepep::combine", "hybridep::dispatch", "hybridep::combine"),
-    _RECOMPUTE: ("aten::topk",),
+    _ROUTE: ("aten::topk",),
 }
 
 

@@ -404,7 +404,7 @@ def test_kept_op_that_draws_random_numbers_leaves_the_rng_where_the_forward_did(
     from hyperac.policy import resolve_op_sets, selective_contexts
 
     ops = resolve_op_sets(get_backend("cpu"))
-    ops = type(ops)(ops.matmul, ops.keep | {torch.ops.hyperac_test.noisy_scale.default}, ops.recompute, ops.ignored)
+    ops = type(ops)(ops.matmul, ops.keep | {torch.ops.hyperac_test.noisy_scale.default}, ops.routing, ops.ignored)
     torch.manual_seed(0)
     layer = nn.Linear(16, 16)
     x = torch.randn(8, 16)

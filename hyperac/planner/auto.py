@@ -171,8 +171,22 @@ def resolve_choice(estimate: Estimate, chosen: Sequence[str], budget_bytes: int,
         "predicted_swap_bytes": sum(estimate.offload_bytes(p, o) for p, o in enumerate(chosen)),
         "budget_bytes": budget_bytes,
         "max_seq_len": max_seq_len,
-        "notes": _saves_nothing_note(estimate),
+        "notes": _saves_nothing_note(estimate) + _routes_note(estimate, modes),
     }
+
+
+def _routes_note(estimate: Estimate, modes: Sequence[str]) -> list[str]:
+    """The plan's note on the layers that route data-dependently and replay: what their kept routes cost
+    (NOTE [Routing is kept] in routing.py)."""
+    layers = [layer for layer, mode in zip(estimate.layers, modes) if layer.route_bytes and mode not in ("off", "swap")]
+    if not layers:
+        return []
+    names = ", ".join(layer.fqn for layer in layers[:3]) + (", ..." if len(layers) > 3 else "")
+    total = sum(layer.route_bytes for layer in layers)
+    return [
+        f"{len(layers)} recomputed layer(s) route data-dependently ({names}): their replays take the forward's routes, "
+        f"kept for backward, {total / 2**10:.1f} KiB per step, counted in the prediction (NOTE [Routing is kept])."
+    ]
 
 
 def _saves_nothing_note(estimate: Estimate) -> list[str]:

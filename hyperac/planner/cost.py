@@ -89,6 +89,9 @@ class LayerEstimate:
     [What a swap would move] in profile.py), whatever their size."""
     noise_seconds: float = 0.0
     """Seconds apart that its timing cannot tell modes (NOTE [Ties within the noise] in solver.py)."""
+    route_bytes: int = 0
+    """The bytes of the routes this layer decides in forward, which every mode that replays keeps
+    (counted in :attr:`kept_bytes`; NOTE [Routing is kept] in routing.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +236,7 @@ def build_estimate(layers: Sequence[Any], profiles: dict[str, ModeProfile], devi
             seconds={m: _layer_seconds(position, m, profiles, device, host) for m in modes},
             offload_storages={m: tuple(profiles[m].offloadable.get(position, ())) for m in modes},
             noise_seconds=off.noise.get(position, 0.0) if device is None else 0.0,
+            route_bytes=off.routes.get(position, 0),
         )
         for position, layer in enumerate(layers)
     )

@@ -195,6 +195,7 @@ def slowest(estimates: Sequence[Estimate], size: int) -> Estimate:
             backward_peak_bytes=most([e.layers[p].backward_peak_bytes for e in estimates]),
             seconds=most([e.layers[p].seconds for e in estimates]),
             noise_seconds=max(e.layers[p].noise_seconds for e in estimates),
+            route_bytes=max(e.layers[p].route_bytes for e in estimates),
             offload_storages={mode: max((e.layers[p].offload_storages[mode] for e in estimates), key=sum)
                               for mode in layer.offload_storages},
         )

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _quiet
 from torch.utils._pytree import tree_flatten
 
 from ..measure import StepMode, StorageTimeline, created_storages, flop_counter, gradients, op_tensors
+from ..policy import routing_ops
 from ..swap import swap_ineligible
 from .group import ALONE, PlanGroup
 
@@ -80,6 +81,9 @@ class ModeProfile:
     noise: dict[int, float] = dataclasses.field(default_factory=dict)
     """Per layer, the seconds its timing cannot resolve (NOTE [Ties within the noise] in solver.py),
     the same in every mode's profile (real tensors only)."""
+    routes: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Per layer that routes, the bytes its forward's routing ops returned: what every mode that replays
+    keeps of them (NOTE [Routing is kept] in routing.py)."""
 
 
 def _loss(model: nn.Module, sample: Any) -> tuple[torch.Tensor, Any]:
@@ -144,6 +148,8 @@ class _Profiler(StepMode):
         self.registry = flop_counter().flop_registry
         self.mark = 0
         self.backward_layer: int | None = None
+        self.routing = frozenset(id(op) for op in routing_ops())
+        self.routes: dict[int, int] = defaultdict(int)
 
     def boundary(self, position: int, kind: str) -> None:
         if kind == "backward-start":
@@ -199,6 +205,8 @@ class _Profiler(StepMode):
             self.flops[owner] += flops
         self.ops[self.backward][owner] += 1
         inputs, outputs = op_tensors((args, kwargs)), op_tensors(out)
+        if id(func) in self.routing and owner is not None and not self.backward:
+            self.routes[owner] += sum(t.nbytes for t in outputs)
         moved = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
         self.work[owner].append((flops, moved, outputs[0].dtype if outputs else None))
         for storage in created_storages(inputs, outputs):
@@ -228,7 +236,7 @@ class _Profiler(StepMode):
             kept=dict(kept), forward_peak=dict(forward_peak), backward_peak=dict(backward_peak),
             outside_peak=dict(outside_peak), backward_flops=dict(self.flops), total_flops=self.total_flops,
             forward_ops=dict(self.ops[False]), backward_ops=dict(self.ops[True]),
-            work=dict(self.work), offloadable=self.offloadable(excluded),
+            work=dict(self.work), offloadable=self.offloadable(excluded), routes=dict(self.routes),
         )
 
 
@@ -402,7 +410,7 @@ def _profiled_run(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Modu
 # transient dominates). Layers unlike any other get one step per mode.
 
 _PER_LAYER = ("kept", "forward_peak", "backward_peak", "backward_flops", "forward_ops", "backward_ops", "work",
-              "offloadable")
+              "offloadable", "routes")
 _SAME_WORK = ("kept", "backward_flops", "forward_ops", "backward_ops")
 
 
