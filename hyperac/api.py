@@ -18,6 +18,7 @@ from .compiled import mechanism_note, require_knapsack, require_offloading
 from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
+from .head import install_head, resolve_head
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, LengthBucket, Plan
@@ -249,6 +250,9 @@ def apply(
     adapter: Any = _D["adapter"],
     save_ops: Any = _D["save_ops"],
     force_recompute: Any = _D["force_recompute"],
+    head: str | None = _D["head"],
+    head_chunk: int | None = _D["head_chunk"],
+    bitwise: bool = _D["bitwise"],
 ) -> Plan:
     """Make ``model`` keep fewer activations on the device, by recomputing them in backward or by
     holding them in host memory. Modifies ``model`` in place; gradients are unchanged.
@@ -274,7 +278,7 @@ def apply(
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
              host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter,
              max_seq_len=max_seq_len, seq_dim=seq_dim, length_buckets=length_buckets, save_ops=save_ops,
-             force_recompute=force_recompute),
+             force_recompute=force_recompute, head=head, head_chunk=head_chunk, bitwise=bitwise),
     )
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
@@ -341,9 +345,11 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
                                      tuple(f for f, _ in excluded), swap and i != last_swap, layer.found_by))
     if config.compile:
         notes.append(mechanism_note(modes, [layer.swap for layer in layer_plans]))
-    result = Plan(
-        backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
-    )
+    head, head_target = resolve_head(  # NOTE [The head and the loss in chunks] in head.py
+        prediction.pop("head", None) or config.head or (config.plan.head if config.plan else "off"), named_modules,
+        notes)
+    result = Plan(backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes),
+                  head=head, **prediction)
     for variant_modes, variant_swaps, *_ in variants:  # every plan a bucket may run
         _check_wrapped(found, variant_modes)
         require_knapsack(variant_modes, config.compile)
@@ -372,6 +378,8 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
             install_hook(model, switch, pre=True, with_kwargs=True)
         else:
             install_variant(0)
+        if head_target is not None:
+            install_head(head_target, state, config.head_chunk)
         if buckets or any(layer.recomputed for layer in layer_plans) or (planned and not any(swaps)):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state

@@ -105,6 +105,9 @@ class Plan:
     """``mode="auto"`` with ``max_seq_len=``: the dimension of each training batch's first tensor
     read as its length, to pick its bucket (``Config.seq_dim``; ``None`` in plans written before it
     was kept: 1)."""
+    head: str = "off"
+    """What apply did to the language-model head and its loss: ``"off"`` (as the model computes them) or
+    ``"chunked"`` (``Config.head``; NOTE [The head and the loss in chunks] in hyperac/head.py)."""
     buckets: tuple[LengthBucket, ...] = ()
     """``mode="auto"`` with ``max_seq_len=``: the plan per length bucket, shortest first; the last
     (up to ``max_seq_len``) is the plan's own layers, the default. Each training forward runs the
@@ -138,7 +141,7 @@ class Plan:
             raise ConfigError(f"Config.plan['seq_dim'] is {seq_dim!r}; give the sequence dimension as an int >= 0 "
                               "(1 for (batch, seq)), or None.")
         return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
-                   notes=tuple(data.get("notes", ())), buckets=buckets,
+                   notes=tuple(data.get("notes", ())), buckets=buckets, head=_head_from_dict(data.get("head", "off")),
                    batch_shape=None if batch is None else tuple(batch), seq_dim=seq_dim, **fields)
 
     def count(self, mode: str) -> int:
@@ -165,6 +168,7 @@ class Plan:
             **{name: getattr(self, name) for name in _PREDICTIONS},
             "batch_shape": None if self.batch_shape is None else list(self.batch_shape),
             "seq_dim": self.seq_dim,
+            "head": self.head,
             "buckets": [bucket.to_dict() for bucket in self.buckets],
         }
 
@@ -198,6 +202,8 @@ class Plan:
                 + (f", at sequence length {self.max_seq_len} (shorter batches keep less)" if self.max_seq_len else "")
             )
         lines.extend(self._bucket_lines())
+        if self.head == "chunked":
+            lines.append("head: chunked (the head and the loss computed per chunk of tokens, again in backward)")
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -219,6 +225,12 @@ class Plan:
         lines.append(f"  longer than {default.max_len}: {'F' * len(self.layers)} (full on every layer{swaps}), "
                      "after a warning")
         return lines
+
+
+def _head_from_dict(head: Any) -> str:
+    if head not in ("off", "chunked"):
+        raise ConfigError(f"Config.plan['head'] is {head!r}; a plan's head is 'off' or 'chunked'.")
+    return str(head)
 
 
 def _layer_from_dict(position: int, layer: Any, shape: str) -> LayerPlan:
