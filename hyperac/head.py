@@ -74,7 +74,7 @@ _METADATA = frozenset({
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,  # type: ignore[attr-defined]
     torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
     torch.Tensor.is_cuda.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,  # type: ignore[attr-defined]
-    torch.Tensor.is_floating_point,
+    torch.Tensor.is_floating_point, torch.Tensor.grad_fn.__get__, torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
 })
 
 
@@ -87,16 +87,19 @@ class DeferredLogits(torch.Tensor):
     weight: torch.Tensor
     bias: torch.Tensor | None
     steps: tuple[Step, ...]
+    lookup: TiedLookup | None
     value: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                steps: tuple[Step, ...] = (), dtype: torch.dtype | None = None) -> DeferredLogits:
-        needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+                steps: tuple[Step, ...] = (), dtype: torch.dtype | None = None,
+                lookup: TiedLookup | None = None) -> DeferredLogits:
+        # It reads as not requiring grad, so that hooks which attach to outputs that do (a FLOP counter's
+        # module tracker, FSDP's) pass it by instead of computing it; what it computes has its graph.
         self = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, (*hidden.shape[:-1], weight.shape[0]), dtype=dtype or hidden.dtype, device=hidden.device,
-            requires_grad=needs_grad and torch.is_grad_enabled())
-        self.hidden, self.weight, self.bias, self.steps, self.value = hidden, weight, bias, steps, None
+            cls, (*hidden.shape[:-1], weight.shape[0]), dtype=dtype or hidden.dtype, device=hidden.device)
+        self.hidden, self.weight, self.bias, self.steps, self.lookup = hidden, weight, bias, steps, lookup
+        self.value = None
         return self
 
     def chunk(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -123,7 +126,7 @@ class DeferredLogits(torch.Tensor):
             template = tuple(_SELF if a is source else a for a in args)
             probe = func(*(torch.empty(0, dtype=source.dtype, device="meta") if a is _SELF else a for a in template))
             return DeferredLogits(source.hidden, source.weight, source.bias, (*source.steps, (func, template)),
-                                  probe.dtype)
+                                  probe.dtype, source.lookup)
         real_args, real_kwargs = tree_map_only(DeferredLogits, lambda d: d.materialize(), (tuple(args), kwargs))
         return func(*real_args, **real_kwargs)
 
@@ -179,7 +182,8 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, steps: tuple[Step, ...], chunk: int, ignore_index: int) -> torch.Tensor:
+                targets: torch.Tensor, steps: tuple[Step, ...], chunk: int, ignore_index: int,
+                lookup: TiedLookup | None) -> torch.Tensor:
         rows = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
@@ -188,7 +192,7 @@ class _HeadLoss(torch.autograd.Function):
         keep = targets != ignore_index
         total = _cascade_sum(rows, keep) if hidden.device.type == "cpu" else rows[keep].sum()
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.steps, ctx.chunk, ctx.ignore_index = steps, chunk, ignore_index
+        ctx.steps, ctx.chunk, ctx.ignore_index, ctx.lookup = steps, chunk, ignore_index, lookup
         return total
 
     @staticmethod
@@ -210,12 +214,14 @@ class _HeadLoss(torch.autograd.Function):
                 (grad_logits,) = torch.autograd.grad(loss, leaf, grad.expand(loss.shape))
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight, out=grad_hidden[part])
-            if wants_weight:
-                grad_weight = grad_logits.t().mm(rows) if grad_weight is None else grad_weight.addmm_(
-                    grad_logits.t(), rows)
+            if wants_weight:  # addmm with out= (not addmm_, which FLOP counters do not see)
+                grad_weight = grad_logits.t().mm(rows) if grad_weight is None else torch.addmm(
+                    grad_weight, grad_logits.t(), rows, out=grad_weight)
             if wants_bias:
                 grad_bias = grad_logits.sum(0) if grad_bias is None else grad_bias.add_(grad_logits.sum(0))
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        if ctx.lookup is not None:  # NOTE [The tied embedding's gradient]
+            ctx.lookup.gradient = grad_weight
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def chunked_causal_loss(logits: DeferredLogits, labels: torch.Tensor, chunk: int | None,
@@ -227,7 +233,8 @@ def chunked_causal_loss(logits: DeferredLogits, labels: torch.Tensor, chunk: int
     targets = shift_labels.reshape(-1).to(logits.device)
     hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
     rows = chunk_tokens(hidden.shape[0], logits.weight.shape[0], hidden.shape[1], chunk)
-    total = _HeadLoss.apply(hidden, logits.weight, logits.bias, targets, logits.steps, rows, ignore_index)
+    total = _HeadLoss.apply(hidden, logits.weight, logits.bias, targets, logits.steps, rows, ignore_index,
+                            logits.lookup)
     if num_items_in_batch is None:
         return total / (targets != ignore_index).sum().to(total.dtype)
     if torch.is_tensor(num_items_in_batch):
@@ -237,13 +244,92 @@ def chunked_causal_loss(logits: DeferredLogits, labels: torch.Tensor, chunk: int
 
 class ChunkedHeadForward(Override):
     """The head's forward: deferred logits while grad is enabled (NOTE [The head and the loss in
-    chunks]); otherwise the head's own forward."""
+    chunks]); otherwise the head's own forward. ``tied``: the input embedding's lookups, where it
+    shares the head's weight."""
+
+    def __init__(self, module: nn.Module, owner: AppliedState, fqn: str, tied: TiedLookups | None) -> None:
+        super().__init__(module, owner, fqn)
+        self.tied = tied
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         module, call = self.module_and_forward()
         if not torch.is_grad_enabled():
             return call(hidden)  # type: ignore[no-any-return]
-        return DeferredLogits(hidden, module.weight, module.bias)
+        lookup = None
+        if self.tied is not None:
+            lookup, self.tied.pending = self.tied.pending, None
+        return DeferredLogits(hidden, module.weight, module.bias, lookup=lookup)
+
+
+# NOTE [The tied embedding's gradient]
+# An input embedding's backward builds a dense vocabulary x hidden gradient for the few rows it
+# touched; where the head shares its weight, autograd then adds it to the head's gradient of the same
+# size: two more vocabulary x hidden buffers at the end of backward (519 MiB each at Qwen2-0.5B's
+# geometry). With the head chunked, the embedding's lookup (:class:`TiedLookupForward`) hands its
+# forward's :class:`TiedLookup` to the head; the head's backward leaves its weight gradient there, and
+# the lookup's backward, which autograd runs after it and before the weight's gradient is
+# accumulated, adds the rows it touched into that gradient in place (duplicates summed first, in the
+# order the dense backward sums them) and returns none of its own. A lookup whose head did not run
+# chunked (logits read whole) returns the dense gradient, as without hyperac.
+
+
+class TiedLookup:
+    """One forward's embedding lookup: the head's weight gradient, once the head's backward has run."""
+
+    __slots__ = ("gradient",)
+
+    def __init__(self) -> None:
+        self.gradient: torch.Tensor | None = None
+
+
+class TiedLookups:
+    """Shared by the embedding's and the head's forwards: the lookup of the forward running now."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending: TiedLookup | None = None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None,
+                lookup: TiedLookup) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.lookup, ctx.rows = padding_idx, lookup, weight.shape[0]
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (ids,) = ctx.saved_tensors
+        gradient, ctx.lookup.gradient = ctx.lookup.gradient, None  # no reference left: autograd steals it
+        if gradient is None or not ctx.needs_input_grad[1]:
+            padding = -1 if ctx.padding_idx is None else ctx.padding_idx
+            dense = torch.ops.aten.embedding_backward(grad, ids, ctx.rows, padding, False, False)
+            return None, dense if ctx.needs_input_grad[1] else None, None, None
+        flat, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:
+            keep = flat != ctx.padding_idx
+            flat, rows = flat[keep], rows[keep]
+        touched, where = torch.unique(flat, return_inverse=True)
+        sums = rows.new_zeros(len(touched), rows.shape[1]).index_add_(0, where, rows)
+        gradient.index_add_(0, touched, sums.to(gradient.dtype))
+        return None, None, None, None
+
+
+class TiedLookupForward(Override):
+    """The tied input embedding's forward (NOTE [The tied embedding's gradient])."""
+
+    def __init__(self, module: nn.Module, owner: AppliedState, fqn: str, tied: TiedLookups) -> None:
+        super().__init__(module, owner, fqn)
+        self.tied = tied
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        module, call = self.module_and_forward()
+        if not (torch.is_grad_enabled() and module.weight.requires_grad):
+            return call(ids)  # type: ignore[no-any-return]
+        self.tied.pending = TiedLookup()
+        return _TiedEmbedding.apply(ids, module.weight, module.padding_idx, self.tied.pending)  # type: ignore[no-any-return]
 
 
 class ChunkedLoss(Attribute):
@@ -332,4 +418,12 @@ def install_head(found: tuple[str, nn.Module, str, nn.Module], state: AppliedSta
     """Install the chunked head and loss on the causal LM ``found`` (from :func:`find_head`)."""
     name, model, head_name, head = found
     ChunkedLoss(model, state, name, chunk).install(model)
-    ChunkedHeadForward(head, state, head_name).install()
+    embedding = model.get_input_embeddings()
+    tied = None
+    if (type(embedding) is nn.Embedding and embedding.weight is head.weight and embedding.max_norm is None
+            and not embedding.scale_grad_by_freq and not embedding.sparse and "forward" not in embedding.__dict__
+            and not (embedding._forward_hooks or embedding._forward_pre_hooks)):
+        tied = TiedLookups()
+        fqn = next(n for n, m in model.named_modules() if m is embedding)
+        TiedLookupForward(embedding, state, f"{name}.{fqn}" if name else fqn, tied).install()
+    ChunkedHeadForward(head, state, head_name, tied).install()
