@@ -18,7 +18,7 @@ from .compiled import mechanism_note, require_knapsack, require_offloading
 from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
-from .head import install_head, resolve_head
+from .head import install_head, planned_heads, resolve_head
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, LengthBucket, Plan
@@ -32,6 +32,7 @@ from .planner import (
 )
 from .planner.auto import last_swap, link_bandwidth
 from .planner.compiled import compiled_auto_modes
+from .planner.head import head_auto_modes
 from .policy import OpSets, resolve_op_sets
 from .random_sources import check_trackers_registered
 from .recompute import (
@@ -305,6 +306,12 @@ def apply(
             model, found, config.budget, config.sample,
             _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
             chosen_backend, config.compile)
+    elif config.mode == "auto" and (heads := planned_heads(config, named_modules)):  # NOTE [The head in the plan]
+        runners = {head: _uniform_runner(chosen_backend, config.adapter, head=head, head_chunk=config.head_chunk)
+                   for head in ("off", "chunked")}
+        modes, planned_swaps, prediction = head_auto_modes(
+            model, found, config.budget, config.sample, runners, heads, chosen_backend, _host_budget(config),
+            config.min_swap_bytes)
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(
             model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
@@ -534,15 +541,17 @@ def _containers(found: list[Layer]) -> list[str]:
     return list(dict.fromkeys(layer.container for layer in found))
 
 
-def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Callable[..., Any]:
+def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False, head: str = "off",
+                    head_chunk: int | None = None) -> Callable[..., Any]:
     """``runner(model, containers)(mode) -> undo``: apply one mode to every layer, or
-    ``{container: {index: mode}}`` (for profiling)."""
+    ``{container: {index: mode}}`` (for profiling), with the head as ``head`` says."""
 
     def for_model(model: nn.Module, containers: list[str] | None) -> Callable[[str], Callable[[], None]]:
         def run(mode: Any) -> Callable[[], None]:
             # A mode, or per-container layer modes (NOTE [Identical layers measured once] in planner/profile.py).
             layers, mode = (containers, mode) if isinstance(mode, str) else (mode, "off")
-            config = Config(mode=mode, backend=backend, layers=layers, adapter=adapter, compile=compile)
+            config = Config(mode=mode, backend=backend, layers=layers, adapter=adapter, compile=compile, head=head,
+                            head_chunk=head_chunk)
             named_modules = _check_model(model)
             found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
             with warnings.catch_warnings():

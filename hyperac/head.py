@@ -56,8 +56,8 @@ from .errors import HyperACWarning
 from .state import AppliedState, Attribute, Override
 
 __all__ = [
-    "ChunkedHeadForward", "ChunkedLoss", "DeferredLogits", "chunk_tokens", "find_head", "head_bytes", "install_head",
-    "resolve_head",
+    "ChunkedHeadForward", "ChunkedLoss", "DeferredLogits", "chunk_tokens", "find_head", "install_head",
+    "planned_heads", "resolve_head",
 ]
 
 _SELF = object()  # where the deferred tensor sits in a recorded op's arguments
@@ -311,6 +311,9 @@ class _TiedEmbedding(torch.autograd.Function):
         if ctx.padding_idx is not None:
             keep = flat != ctx.padding_idx
             flat, rows = flat[keep], rows[keep]
+        if flat.device.type == "meta":  # no values to find the touched rows by
+            gradient.index_add_(0, flat, rows.to(gradient.dtype))
+            return None, None, None, None
         touched, where = torch.unique(flat, return_inverse=True)
         sums = rows.new_zeros(len(touched), rows.shape[1]).index_add_(0, where, rows)
         gradient.index_add_(0, touched, sums.to(gradient.dtype))
@@ -390,14 +393,6 @@ def _forward_calls_loss(module: nn.Module) -> bool:
         return False
 
 
-def head_bytes(tokens: int, vocab: int, hidden: int, dtype_bytes: int, chunk: int | None) -> tuple[int, int]:
-    """Bytes the head and the loss keep at their peak, un-chunked and chunked: the logits, their
-    float32 upcast and log-softmax, and the logits' gradient (both dtypes), for ``tokens`` rows or
-    one chunk's; the chunked head adds its weight's gradient buffer only where un-chunked does too."""
-    per_row = vocab * (2 * dtype_bytes + 3 * 4)
-    rows = chunk_tokens(tokens, vocab, hidden, chunk)
-    return tokens * per_row, rows * per_row
-
 
 def resolve_head(wanted: str, modules: list[tuple[str, nn.Module]], notes: list[str]
                  ) -> tuple[str, tuple[str, nn.Module, str, nn.Module] | None]:
@@ -412,6 +407,17 @@ def resolve_head(wanted: str, modules: list[tuple[str, nn.Module]], notes: list[
         notes.append(message)
         return "off", None
     return "chunked", found
+
+
+def planned_heads(config: Any, modules: list[tuple[str, nn.Module]]) -> tuple[str, ...]:
+    """The heads ``mode="auto"`` plans with (NOTE [The head in the plan] in planner/head.py): none (the
+    planner as without a head option) where the head is ``"off"``, results must be bitwise, the plan is
+    per length bucket or compiled, or hyperac cannot see the loss; else ``("chunked",)`` where the
+    user named it, ``("off", "chunked")`` where the planner chooses."""
+    if (config.head == "off" or config.bitwise or config.max_seq_len is not None or config.compile
+            or isinstance(find_head(modules), str)):
+        return ()
+    return ("chunked",) if config.head == "chunked" else ("off", "chunked")
 
 
 def install_head(found: tuple[str, nn.Module, str, nn.Module], state: AppliedState, chunk: int | None) -> None:

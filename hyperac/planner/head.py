@@ -1,0 +1,77 @@
+"""``mode="auto"`` and ``hyperac plan`` weigh the chunked head like a layer mode.
+
+NOTE [The head in the plan]
+The head and the loss live outside the layers, so chunking them (NOTE [The head and the loss in
+chunks] in hyperac/head.py) changes only an estimate's outside costs: the peak of the logits and
+their gradient (``outside_peak_bytes``), the bytes kept (``outside_bytes``), the seconds of the head's
+second projection (``outside_seconds``, and ``base_flops``). The planner profiles the step twice, with
+the head as the model computes it and chunked, solves the layer modes against the budget under
+each, and keeps the faster plan that fits (the head as it is where both are equally fast). A
+fractional budget is of the un-chunked step's no-recompute peak, what the model needs as it is.
+Where the user asked for bitwise results (``Config.bitwise=True``), or named a head, only that head is
+planned; the other is profiled all the same, for the share the plan's note states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from ..budget import parse_budget
+from ..discovery import Layer
+from ..errors import ConfigError
+from .auto import Runner, estimate_layers, resolve_choice
+from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate
+from .solver import choose_modes
+
+__all__ = ["choose_with_head", "head_auto_modes", "head_note"]
+
+
+def choose_with_head(estimates: Mapping[str, Estimate], budget_bytes: int, options: Sequence[str],
+                     host_budget_bytes: int | None = None) -> tuple[str, list[str]]:
+    """The head (a key of ``estimates``: ``"off"`` or ``"chunked"``) and per-layer options that fit
+    ``budget_bytes`` fastest; where none fits, the refusal of the last head tried (the lowest floor)."""
+    fits, refusal = [], None
+    for head, estimate in estimates.items():
+        try:
+            chosen = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget_bytes)
+        except ConfigError as error:
+            refusal = error
+            continue
+        fits.append((estimate.step_seconds(chosen), len(fits), head, chosen))
+    if not fits:
+        assert refusal is not None
+        raise refusal
+    _, _, head, chosen = min(fits)
+    return head, chosen
+
+
+def head_note(estimates: Mapping[str, Estimate]) -> str:
+    """The head's share of the step, as the model computes it and chunked (for ``print(plan)``)."""
+    plain, chunked = estimates["off"], estimates["chunked"]
+    off_plain, off_chunked = (e.peak_bytes(["off"] * len(e.layers)) for e in (plain, chunked))
+    full_plain, full_chunked = (e.peak_bytes(["full"] * len(e.layers)) for e in (plain, chunked))
+    return (f"the head and the loss (NOTE [The head in the plan]): peak with no recompute {off_plain / 2**20:.1f} MiB "
+            f"as the model computes them, {off_chunked / 2**20:.1f} MiB chunked; with every layer full "
+            f"{full_plain / 2**20:.1f} MiB, {full_chunked / 2**20:.1f} MiB chunked; chunking costs "
+            f"{(chunked.base_flops - plain.base_flops) / 1e9:.3f} GFLOP "
+            f"({100 * (chunked.base_flops - plain.base_flops) / max(plain.base_flops, 1):.1f}% of the step).")
+
+
+def head_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any,
+                    runners: Mapping[str, Runner], heads: Sequence[str], backend: Any, host_budget_bytes: int,
+                    min_swap_bytes: int = 0) -> tuple[list[str], list[bool], dict[str, Any]]:
+    """``mode="auto"`` weighing the head (NOTE [The head in the plan]): ``runners`` applies a uniform
+    mode with the head ``"off"`` and ``"chunked"``; ``heads``, those the plan may choose."""
+    estimates = {head: dataclasses.replace(estimate_layers(model, sample, layers, runner, backend),
+                                           min_swap_bytes=min_swap_bytes) for head, runner in runners.items()}
+    budget_bytes = parse_budget(budget, estimates["off"].peak_bytes(["off"] * len(layers)))
+    options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
+    head, chosen = choose_with_head({h: estimates[h] for h in heads}, budget_bytes, options, host_budget_bytes)
+    modes, swaps, prediction = resolve_choice(estimates[head], chosen, budget_bytes)
+    prediction["head"] = head
+    prediction["notes"] = [*prediction["notes"], head_note(estimates)]
+    return modes, swaps, prediction
