@@ -566,7 +566,8 @@ def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False, head:
 
 
 def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: Any = None,
-             device_profile: str | None = None, min_swap_bytes: int = _D["min_swap_bytes"]) -> Estimate:
+             device_profile: str | None = None, min_swap_bytes: int = _D["min_swap_bytes"],
+             head: str | None = _D["head"], head_chunk: int | None = _D["head_chunk"]) -> Estimate:
     """Profile one step of ``model`` per mode and report, per layer and mode, the activation bytes
     kept for backward, the step's peak, the seconds and the FLOPs replayed, of steps run as an
     applied model trains: an HF model builds no KV cache (NOTE [KV caches in training] in _hf.py).
@@ -583,12 +584,14 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
             profile there is an error.
         min_swap_bytes: as for :func:`apply`: the swap costs count only storages of at least this
             many bytes (default ``Config``'s, 1 MiB).
+        head, head_chunk: as for :func:`apply`: ``head="chunked"`` profiles every step with the head and
+            the loss chunked (NOTE [The head in the plan]); ``None`` and ``"off"``, as the model computes them.
 
     Returns:
         An :class:`hyperac.planner.Estimate`; ``print()`` it for a table.
     """
     config = resolve_config(None, dict(mode="full", backend=backend, layers=layers, sample=sample,
-                                       min_swap_bytes=min_swap_bytes))
+                                       min_swap_bytes=min_swap_bytes, head=head, head_chunk=head_chunk))
     if config.layer_spec.rules:
         raise ConfigError("estimate() takes container paths in layers=, not per-layer modes.")
     named_modules = _check_model(model)
@@ -600,8 +603,9 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
                           "build the model under torch.device('meta').")
     chosen = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    return dataclasses.replace(estimate_layers(model, sample, found, _uniform_runner(chosen, None), chosen,
-                                               device_profile), min_swap_bytes=config.min_swap_bytes)
+    runner = _uniform_runner(chosen, None, head=config.head or "off", head_chunk=config.head_chunk)
+    return dataclasses.replace(estimate_layers(model, sample, found, runner, chosen, device_profile),
+                               min_swap_bytes=config.min_swap_bytes)
 
 
 def applied_plan(model: nn.Module) -> Plan | None:

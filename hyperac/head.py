@@ -189,8 +189,8 @@ class _HeadLoss(torch.autograd.Function):
             part = slice(start, start + chunk)
             logits = replay(steps, F.linear(hidden[part], weight, bias)).float()
             rows[part] = F.cross_entropy(logits, targets[part], reduction="none", ignore_index=ignore_index)
-        keep = targets != ignore_index
-        total = _cascade_sum(rows, keep) if hidden.device.type == "cpu" else rows[keep].sum()
+        # An ignored token's row is 0; elsewhere ATen's own order is not reproduced (within rounding).
+        total = _cascade_sum(rows, targets != ignore_index) if hidden.device.type == "cpu" else rows.sum()
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.steps, ctx.chunk, ctx.ignore_index, ctx.lookup = steps, chunk, ignore_index, lookup
         return total

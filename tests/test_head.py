@@ -269,3 +269,27 @@ def test_a_bad_head_in_a_plan_dict_is_named() -> None:
     plan = hyperac.Plan(backend="cpu", adapter="none", layers=()).to_dict()
     with pytest.raises(hyperac.ConfigError, match="Config.plan\\['head'\\] is 'sliced'; a plan's head is 'off' or"):
         hyperac.Plan.from_dict({**plan, "head": "sliced"})
+
+
+def _auto_model_and_sample() -> tuple[nn.Module, dict[str, Any]]:
+    model = tiny_llama(2, vocab_size=32000)
+    ids = torch.randint(0, 32000, (1, 128), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_auto_meets_a_budget_below_the_layers_floor_with_the_head_chunked() -> None:
+    model, sample = _auto_model_and_sample()
+    with pytest.raises(hyperac.ConfigError, match="is below the smallest plan"):
+        hyperac.apply(copy.deepcopy(model), mode="auto", budget=0.5, sample=sample, head="off")
+    plan = hyperac.apply(model, mode="auto", budget=0.5, sample=sample)
+    assert plan.head == "chunked" and plan.predicted_peak_bytes <= plan.budget_bytes
+    measured = step_peak(model, sample)
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * plan.predicted_peak_bytes, (measured, plan)
+    assert any(note.startswith("the head and the loss (NOTE [The head in the plan])") for note in plan.notes)
+
+
+def test_auto_never_chunks_the_head_where_results_must_be_bitwise() -> None:
+    model, sample = _auto_model_and_sample()
+    with pytest.raises(hyperac.ConfigError, match="is below the smallest plan"):
+        hyperac.apply(model, mode="auto", budget=0.5, sample=sample, bitwise=True)
+    assert hyperac.apply(model, mode="auto", budget=1.0, sample=sample, bitwise=True).head == "off"
