@@ -441,6 +441,11 @@ class Config:
                                             or self.head_chunk < 1):
             raise ConfigError(f"Config.head_chunk must be None or an int >= 1 (tokens per chunk), got "
                               f"{self.head_chunk!r}; e.g. head_chunk=1024.")
+        if self.head == "chunked" and self.compile:
+            raise ConfigError(
+                "Config.head='chunked' is not supported with compile=True yet (its deferred logits are a tensor "
+                "subclass the compiler would break its graph on); use head='off' under compile, or compile=False."
+            )
         if self.head == "chunked" and self.bitwise:
             raise ConfigError(
                 "Config.head='chunked' with bitwise=True: the chunked head sums its weight's gradient chunk by chunk, "

@@ -257,6 +257,7 @@ def test_plan_records_the_head_and_applies_it_again() -> None:
     (dict(head="chunked", bitwise=True), "Config.head='chunked' with bitwise=True: the chunked head sums its weight's "
                                          "gradient chunk by chunk"),
     (dict(head="sometimes"), "Config.head must be None, 'off' or 'chunked', got 'sometimes'"),
+    (dict(head="chunked", compile=True), "Config.head='chunked' is not supported with compile=True yet"),
     (dict(head_chunk=0), "Config.head_chunk must be None or an int >= 1 (tokens per chunk), got 0"),
     (dict(bitwise="yes"), "Config.bitwise must be a bool (True or False), got 'yes'"),
 ])
