@@ -356,7 +356,8 @@ class ChunkedLoss(Attribute):
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
                  num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
                  **kwargs: Any) -> torch.Tensor:
-        if isinstance(logits, DeferredLogits) and logits.value is None:
+        targets = labels if shift_labels is None else shift_labels
+        if isinstance(logits, DeferredLogits) and logits.value is None and targets.shape == logits.shape[:-1]:
             return chunked_causal_loss(logits, labels, self.chunk, num_items_in_batch, ignore_index, shift_labels)
         return self.loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,  # type: ignore[no-any-return]
                          ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)

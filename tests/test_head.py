@@ -146,6 +146,18 @@ def test_logits_read_into_the_loss_train_as_without_hyperac() -> None:
         assert (chunked_grads[name] - grad).abs().max() <= HEAD_BOUND * grad.abs().max(), name
 
 
+def test_labels_that_do_not_match_the_logits_fail_as_without_hyperac() -> None:
+    model = FAMILIES["llama-untied"]()
+    chunked, _ = chunked_copy(model)
+    inputs = batch(logits_to_keep=5)  # logits for 5 positions, labels for 37
+    errors = []
+    for m in (model, chunked):
+        with pytest.raises(ValueError) as error:
+            m(**inputs)
+        errors.append(str(error.value))
+    assert errors[0] == errors[1] and "Expected input batch_size (10) to match target batch_size (74)" in errors[0]
+
+
 def test_without_grad_the_head_runs_as_it_is() -> None:
     model = FAMILIES["llama-tied"]()
     chunked, _ = chunked_copy(model)
