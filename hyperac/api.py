@@ -18,7 +18,7 @@ from .compiled import mechanism_note, require_knapsack, require_offloading
 from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, UnsupportedModelError
-from .head import install_head, planned_heads, resolve_head
+from .head import head_policy, install_head, resolve_head
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, LengthBucket, Plan
@@ -306,11 +306,11 @@ def apply(
             model, found, config.budget, config.sample,
             _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
             chosen_backend, config.compile)
-    elif config.mode == "auto" and (heads := planned_heads(config, named_modules)):  # NOTE [The head in the plan]
+    elif config.mode == "auto" and (policy := head_policy(config, named_modules)):  # NOTE [The head in the plan]
         runners = {head: _uniform_runner(chosen_backend, config.adapter, head=head, head_chunk=config.head_chunk)
                    for head in ("off", "chunked")}
         modes, planned_swaps, prediction = head_auto_modes(
-            model, found, config.budget, config.sample, runners, heads, chosen_backend, _host_budget(config),
+            model, found, config.budget, config.sample, runners, policy, chosen_backend, _host_budget(config),
             config.min_swap_bytes)
     elif config.mode == "auto":
         modes, planned_swaps, prediction = auto_modes(

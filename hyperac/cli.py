@@ -242,11 +242,11 @@ def _write_plan(path: str, model: torch.nn.Module, resolved: tuple[list[str], li
 def _heads(args: argparse.Namespace, model: torch.nn.Module) -> tuple[str, ...]:
     """The heads the plan weighs (NOTE [The head in the plan]), as ``apply(mode="auto")`` with ``head=``
     as ``--head`` says."""
-    from .head import planned_heads
+    from .head import head_policy
 
-    choice = None if args.head == "auto" else args.head
-    return planned_heads(argparse.Namespace(head=choice, bitwise=args.head == "off", max_seq_len=args.max_seq_len,
+    policy = head_policy(argparse.Namespace(head=args.head, bitwise=False, max_seq_len=args.max_seq_len,
                                             compile=False), list(model.named_modules()))
+    return {None: (), "chunked": ("chunked",)}.get(policy, ("off", "chunked"))
 
 
 def plan(args: argparse.Namespace) -> int:

@@ -325,14 +325,16 @@ class Config:
     computing ``ForCausalLMLoss`` from ``labels=``; NOTE [The head and the loss in chunks] in
     hyperac/head.py). ``"off"``: as the model computes them. ``"chunked"``: per chunk of tokens, the
     logits computed again in backward, so no step keeps more than one chunk's logits (one more head
-    projection per step; the loss bitwise on the CPU, the head weight's gradient within float32
-    rounding). ``None``: ``"off"`` for a fixed mode; ``mode="auto"`` weighs both, like a layer mode,
-    unless ``bitwise=True``. A model whose loss hyperac cannot see keeps its head, and ``print(plan)``
-    says why."""
+    projection per step; the loss bitwise on the CPU, the gradients within float32 rounding).
+    ``"auto"`` (with ``mode="auto"``): the planner weighs both, like a layer mode, and keeps the faster
+    plan that fits. ``None``: ``"off"`` for a fixed mode; ``mode="auto"`` keeps the head as it is unless
+    only chunking it meets the budget (then with a warning), and never with ``bitwise=True``. A model
+    whose loss hyperac cannot see keeps its head, and ``print(plan)`` says why."""
 
     head_chunk: int | None = None
     """Tokens per chunk of the chunked head. ``None``: a power of two that makes one chunk's logits
-    about the size of all the hidden states (tokens x hidden), as Liger's fused loss does."""
+    about the size of all the hidden states (tokens x hidden), as Liger's fused loss does, and at least
+    128 tokens (fewer spend their time reading the head weight again)."""
 
     bitwise: bool = False
     """Whether every result must be bitwise that of the un-applied model (CPU float32). The layer modes
@@ -434,8 +436,14 @@ class Config:
     def _check_head(self) -> None:
         if cast(object, self.head) is False:  # YAML reads a bare `off` as False
             object.__setattr__(self, "head", "off")
-        if self.head not in (None, "off", "chunked"):
-            raise ConfigError(f"Config.head must be None, 'off' or 'chunked', got {self.head!r}; e.g. head='chunked'.")
+        if self.head not in (None, "off", "chunked", "auto"):
+            raise ConfigError(f"Config.head must be None, 'off', 'chunked' or 'auto', got {self.head!r}; e.g. "
+                              "head='chunked'.")
+        if self.head == "auto" and (self.mode != "auto" or self.bitwise):
+            raise ConfigError(
+                f"Config.head='auto' lets mode='auto' weigh the chunked head, but mode={self.mode!r} and "
+                f"bitwise={self.bitwise!r}; use mode='auto' with bitwise=False, or head='off' or 'chunked'."
+            )
         _check_bool("bitwise", self.bitwise)
         if self.head_chunk is not None and (isinstance(self.head_chunk, bool) or not isinstance(self.head_chunk, int)
                                             or self.head_chunk < 1):

@@ -57,7 +57,7 @@ from .state import AppliedState, Attribute, Override
 
 __all__ = [
     "ChunkedHeadForward", "ChunkedLoss", "DeferredLogits", "chunk_tokens", "find_head", "install_head",
-    "planned_heads", "resolve_head",
+    "head_policy", "resolve_head",
 ]
 
 _SELF = object()  # where the deferred tensor sits in a recorded op's arguments
@@ -144,13 +144,22 @@ def replay(steps: tuple[Step, ...], logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+MIN_CHUNK = 128
+"""The fewest tokens of an automatic chunk: each chunk reads the head weight three times and writes its
+gradient once more (vocabulary x hidden each), so chunks of a few tokens spend their time moving the
+weight (a 1-token chunk made a step at Qwen2-0.5B's geometry 10x slower on the CPU) and add to the
+rounding of its gradient's sum."""
+
+
 def chunk_tokens(tokens: int, vocab: int, hidden: int, chunk: int | None) -> int:
     """Tokens per chunk: ``chunk`` as given, else a power of two that makes one chunk's logits about
-    the size of all the hidden states (``tokens x hidden``), as Liger's fused linear cross-entropy does."""
+    the size of all the hidden states (``tokens x hidden``), as Liger's fused linear cross-entropy does,
+    and at least :data:`MIN_CHUNK`."""
     if chunk is not None:
         return max(1, min(chunk, tokens))
     pieces = max(1, math.ceil(vocab / max(hidden, 1)))
-    return max(1, min(tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / pieces)))))))
+    rows = max(MIN_CHUNK, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / pieces))))))
+    return max(1, min(tokens, rows))
 
 
 def _cascade_sum(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -397,28 +406,28 @@ def _forward_calls_loss(module: nn.Module) -> bool:
 
 def resolve_head(wanted: str, modules: list[tuple[str, nn.Module]], notes: list[str]
                  ) -> tuple[str, tuple[str, nn.Module, str, nn.Module] | None]:
-    """``wanted`` (``"off"`` or ``"chunked"``) as it can be applied: ``"off"`` with a note where no
-    loss is visible to hyperac."""
-    if wanted != "chunked":
+    """``wanted`` (``"off"``, ``"chunked"``, or ``"auto"`` where the planner kept the head as it is) as
+    it can be applied: ``"off"`` with a note where no loss is visible to hyperac."""
+    if wanted not in ("chunked", "auto"):
         return "off", None
     found = find_head(modules)
     if isinstance(found, str):
-        message = f"Config.head='chunked' left the head and the loss as they are: {found}."
+        message = f"Config.head={wanted!r} left the head and the loss as they are: {found}."
         warnings.warn(message, HyperACWarning, stacklevel=4)
         notes.append(message)
         return "off", None
-    return "chunked", found
+    return ("chunked", found) if wanted == "chunked" else ("off", None)
 
 
-def planned_heads(config: Any, modules: list[tuple[str, nn.Module]]) -> tuple[str, ...]:
-    """The heads ``mode="auto"`` plans with (NOTE [The head in the plan] in planner/head.py): none (the
-    planner as without a head option) where the head is ``"off"``, results must be bitwise, the plan is
-    per length bucket or compiled, or hyperac cannot see the loss; else ``("chunked",)`` where the
-    user named it, ``("off", "chunked")`` where the planner chooses."""
+def head_policy(config: Any, modules: list[tuple[str, nn.Module]]) -> str | None:
+    """How ``mode="auto"`` plans the head (NOTE [The head in the plan] in planner/head.py): ``None``, as
+    without a head option (the head ``"off"``, results bitwise, plans per length bucket or compiled, or
+    a loss hyperac cannot see); ``"chunked"`` where the user named it; ``"weigh"`` for ``head="auto"``;
+    else ``"fallback"``: the head as it is unless only chunking it meets the budget."""
     if (config.head == "off" or config.bitwise or config.max_seq_len is not None or config.compile
             or isinstance(find_head(modules), str)):
-        return ()
-    return ("chunked",) if config.head == "chunked" else ("off", "chunked")
+        return None
+    return {"chunked": "chunked", "auto": "weigh"}.get(config.head, "fallback")
 
 
 def install_head(found: tuple[str, nn.Module, str, nn.Module], state: AppliedState, chunk: int | None) -> None:

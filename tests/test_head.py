@@ -79,7 +79,7 @@ def chunked_copy(model: nn.Module, **options: Any) -> tuple[nn.Module, hyperac.P
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("chunk", [5, None])
+@pytest.mark.parametrize("chunk", [5, 32, None])
 def test_chunked_head_matches_the_model_within_the_bound(family: str, chunk: int | None) -> None:
     model = FAMILIES[family]()
     chunked, plan = chunked_copy(model, head_chunk=chunk)
@@ -216,7 +216,7 @@ def test_tied_embedding_builds_no_dense_gradient() -> None:
 
 def test_peak_memory_is_lower() -> None:
     model = tiny_llama(1, vocab_size=8000)
-    chunked, _ = chunked_copy(model)
+    chunked, _ = chunked_copy(model, head_chunk=16)
     inputs = batch(seq=128)
     reference, lower = step_peak(model, inputs), step_peak(chunked, inputs)
     logits = inputs["input_ids"].numel() * 8000 * 4
@@ -268,7 +268,8 @@ def test_plan_records_the_head_and_applies_it_again() -> None:
 @pytest.mark.parametrize("options, message", [
     (dict(head="chunked", bitwise=True), "Config.head='chunked' with bitwise=True: the chunked head sums its weight's "
                                          "gradient chunk by chunk"),
-    (dict(head="sometimes"), "Config.head must be None, 'off' or 'chunked', got 'sometimes'"),
+    (dict(head="sometimes"), "Config.head must be None, 'off', 'chunked' or 'auto', got 'sometimes'"),
+    (dict(head="auto"), "Config.head='auto' lets mode='auto' weigh the chunked head, but mode='full'"),
     (dict(head="chunked", compile=True), "Config.head='chunked' is not supported with compile=True yet"),
     (dict(head_chunk=0), "Config.head_chunk must be None or an int >= 1 (tokens per chunk), got 0"),
     (dict(bitwise="yes"), "Config.bitwise must be a bool (True or False), got 'yes'"),
@@ -294,15 +295,24 @@ def test_auto_meets_a_budget_below_the_layers_floor_with_the_head_chunked() -> N
     model, sample = _auto_model_and_sample()
     with pytest.raises(hyperac.ConfigError, match="is below the smallest plan"):
         hyperac.apply(copy.deepcopy(model), mode="auto", budget=0.5, sample=sample, head="off")
-    plan = hyperac.apply(model, mode="auto", budget=0.5, sample=sample)
+    with pytest.warns(hyperac.HyperACWarning, match="mode='auto' chunked the LM head and its loss to meet the budget"):
+        plan = hyperac.apply(model, mode="auto", budget=0.5, sample=sample, head_chunk=16)
     assert plan.head == "chunked" and plan.predicted_peak_bytes <= plan.budget_bytes
     measured = step_peak(model, sample)
     assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * plan.predicted_peak_bytes, (measured, plan)
     assert any(note.startswith("the head and the loss (NOTE [The head in the plan])") for note in plan.notes)
 
 
+def test_auto_keeps_the_head_where_a_plan_fits_with_it_unless_asked_to_weigh() -> None:
+    model, sample = _auto_model_and_sample()
+    plan = hyperac.apply(copy.deepcopy(model), mode="auto", budget=1.0, sample=sample)
+    assert plan.head == "off" and not any("The head in the plan" in note for note in plan.notes)
+    weighed = hyperac.apply(model, mode="auto", budget=1.0, sample=sample, head="auto", head_chunk=16)
+    assert any(note.startswith("the head and the loss (NOTE [The head in the plan])") for note in weighed.notes)
+
+
 def test_auto_never_chunks_the_head_where_results_must_be_bitwise() -> None:
     model, sample = _auto_model_and_sample()
     with pytest.raises(hyperac.ConfigError, match="is below the smallest plan"):
-        hyperac.apply(model, mode="auto", budget=0.5, sample=sample, bitwise=True)
-    assert hyperac.apply(model, mode="auto", budget=1.0, sample=sample, bitwise=True).head == "off"
+        hyperac.apply(model, mode="auto", budget=0.5, sample=sample, bitwise=True, head_chunk=16)
+    assert hyperac.apply(model, mode="auto", budget=1.0, sample=sample, bitwise=True, head_chunk=16).head == "off"

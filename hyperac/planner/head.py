@@ -6,15 +6,19 @@ chunks] in hyperac/head.py) changes only an estimate's outside costs: the peak o
 their gradient (``outside_peak_bytes``), the bytes kept (``outside_bytes``), the seconds of the head's
 second projection (``outside_seconds``, and ``base_flops``). The planner profiles the step twice, with
 the head as the model computes it and chunked, solves the layer modes against the budget under
-each, and keeps the faster plan that fits (the head as it is where both are equally fast). A
+each, and keeps the faster plan that fits (the head as it is where both are equally fast):
+``Config.head="auto"``. By default (``head=None``) the chunked head's gradients, within float32
+rounding and not bitwise, are taken only where nothing else meets the budget: the step is profiled
+with the head as it is first, and chunked only where that plan is refused, with a warning. A
 fractional budget is of the un-chunked step's no-recompute peak, what the model needs as it is.
-Where the user asked for bitwise results (``Config.bitwise=True``), or named a head, only that head is
-planned; the other is profiled all the same, for the share the plan's note states.
+Where the user asked for bitwise results (``Config.bitwise=True``) or ``head="off"``, the head is not
+planned; with ``head="chunked"`` only the chunked head is (the other profiled for the note's share).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +26,7 @@ from torch import nn
 
 from ..budget import parse_budget
 from ..discovery import Layer
-from ..errors import ConfigError
+from ..errors import ConfigError, HyperACWarning
 from .auto import Runner, estimate_layers, resolve_choice
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate
 from .solver import choose_modes
@@ -62,16 +66,36 @@ def head_note(estimates: Mapping[str, Estimate]) -> str:
 
 
 def head_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any,
-                    runners: Mapping[str, Runner], heads: Sequence[str], backend: Any, host_budget_bytes: int,
+                    runners: Mapping[str, Runner], policy: str, backend: Any, host_budget_bytes: int,
                     min_swap_bytes: int = 0) -> tuple[list[str], list[bool], dict[str, Any]]:
-    """``mode="auto"`` weighing the head (NOTE [The head in the plan]): ``runners`` applies a uniform
-    mode with the head ``"off"`` and ``"chunked"``; ``heads``, those the plan may choose."""
-    estimates = {head: dataclasses.replace(estimate_layers(model, sample, layers, runner, backend),
-                                           min_swap_bytes=min_swap_bytes) for head, runner in runners.items()}
+    """``mode="auto"`` with the head in the plan (NOTE [The head in the plan]): ``runners`` applies a
+    uniform mode with the head ``"off"`` and ``"chunked"``; ``policy`` is ``"chunked"``, ``"weigh"``
+    or ``"fallback"`` (:func:`hyperac.head.head_policy`)."""
+    def estimate(head: str) -> Estimate:
+        return dataclasses.replace(estimate_layers(model, sample, layers, runners[head], backend),
+                                   min_swap_bytes=min_swap_bytes)
+
+    estimates = {"off": estimate("off")}
     budget_bytes = parse_budget(budget, estimates["off"].peak_bytes(["off"] * len(layers)))
     options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
+    if policy == "fallback":
+        try:
+            chosen = choose_modes(estimates["off"], budget_bytes, options, host_budget_bytes=host_budget_bytes)
+        except ConfigError:
+            chosen = None
+        if chosen is not None:
+            return resolve_choice(estimates["off"], chosen, budget_bytes)
+    estimates["chunked"] = estimate("chunked")
+    heads = ("off", "chunked") if policy == "weigh" else ("chunked",)
     head, chosen = choose_with_head({h: estimates[h] for h in heads}, budget_bytes, options, host_budget_bytes)
     modes, swaps, prediction = resolve_choice(estimates[head], chosen, budget_bytes)
     prediction["head"] = head
     prediction["notes"] = [*prediction["notes"], head_note(estimates)]
+    if policy == "fallback":
+        message = (f"mode='auto' chunked the LM head and its loss to meet the budget of {budget_bytes / 2**20:.1f} "
+                   "MiB, which no plan meets with the head as the model computes it: its gradients are within "
+                   "float32 rounding of the un-chunked ones, not bitwise (docs/correctness.md). bitwise=True "
+                   "keeps results bitwise (and refuses this budget); head='off' keeps the head as it is.")
+        warnings.warn(message, HyperACWarning, stacklevel=4)
+        prediction["notes"].append(message)
     return modes, swaps, prediction
