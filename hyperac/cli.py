@@ -239,14 +239,14 @@ def _write_plan(path: str, model: torch.nn.Module, resolved: tuple[list[str], li
         raise HyperACError(f"--output: cannot write {path!r}: {error.strerror}.") from None
 
 
-def _heads(args: argparse.Namespace, model: torch.nn.Module) -> tuple[str, ...]:
-    """The heads the plan weighs (NOTE [The head in the plan]), as ``apply(mode="auto")`` with ``head=``
+def _head_policy(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
+    """How the plan weighs the head (NOTE [The head in the plan]), as ``apply(mode="auto")`` with ``head=``
     as ``--head`` says."""
     from .head import head_policy
 
-    policy = head_policy(argparse.Namespace(head=args.head, bitwise=False, max_seq_len=args.max_seq_len,
-                                            compile=False), list(model.named_modules()))
-    return {None: (), "chunked": ("chunked",)}.get(policy, ("off", "chunked"))
+    return head_policy(argparse.Namespace(head=None if args.head == "default" else args.head,
+                                          bitwise=args.head == "off", max_seq_len=args.max_seq_len, compile=False),
+                       list(model.named_modules()))
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -254,7 +254,7 @@ def plan(args: argparse.Namespace) -> int:
     from .plan import mode_letters
     from .planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
     from .planner.auto import resolve_choice
-    from .planner.head import choose_with_head, head_note
+    from .planner.head import choose_head, head_note
     from .planner.lengths import bucket_bounds, length_buckets
 
     host_budget = _host_budget_bytes(args)
@@ -266,10 +266,11 @@ def plan(args: argparse.Namespace) -> int:
     off = estimate.peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)
     options = ESTIMATE_MODES if host_budget is None else ESTIMATE_MODES + SWAP_OPTIONS
-    heads = _heads(args, model)
-    if heads:  # NOTE [The head in the plan]
-        by_head = {"off": estimate, "chunked": _estimates(args, model, sample_at, "chunked")[-1]}
-        head, modes = choose_with_head({h: by_head[h] for h in heads}, budget_bytes, options, host_budget)
+    policy = _head_policy(args, model)
+    by_head = {"off": estimate}
+    if policy is not None:  # NOTE [The head in the plan]
+        head, by_head, modes, _ = choose_head(policy, lambda h: estimate if h == "off" else _estimates(
+            args, model, sample_at, h)[-1], budget_bytes, options, host_budget)
         estimate = by_head[head]
     else:
         head, modes = "off", choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
@@ -293,7 +294,7 @@ def plan(args: argparse.Namespace) -> int:
     for bucket in buckets:
         print(f"  batches up to {bucket.max_len}: {mode_letters(bucket.modes)}, peak "
               f"{bucket.predicted_peak_bytes / 2**30:.2f} GiB, step {bucket.predicted_step_seconds * 1e3:.1f} ms")
-    if heads:
+    if "chunked" in by_head:
         print(f"head: {head}; {head_note(by_head)}")
     if args.output is not None:
         print(f"wrote the plan to {args.output}: hyperac.apply(model, plan=json.load(open({args.output!r})))")
@@ -447,10 +448,10 @@ def _parser() -> argparse.ArgumentParser:
                              help="storages smaller than this stay on the device, as min_swap_bytes= in the API "
                                   "(default 1MiB; 0 lets every saved tensor go)")
     plan_parser.add_argument("--no-swap", action="store_true", help="plan recompute only, no swap to host memory")
-    plan_parser.add_argument("--head", choices=("auto", "off", "chunked"), default="auto",
-                             help="the LM head and its loss, as head= in the API: auto weighs computing them in "
-                                  "chunks (recomputed in backward) against as the model does; off keeps them as "
-                                  "they are, results bitwise")
+    plan_parser.add_argument("--head", choices=("default", "auto", "off", "chunked"), default="default",
+                             help="the LM head and its loss, as head= in the API: default chunks them (recomputed "
+                                  "in backward) only where no plan fits otherwise, auto weighs both by time, off "
+                                  "keeps them as the model computes them (results bitwise), chunked always")
     plan_parser.add_argument("--output", metavar="PLAN.json", type=_output_path,
                              help="also write the plan as JSON, for hyperac.apply(model, plan=json.load(...))")
     plan_parser.set_defaults(run=plan)

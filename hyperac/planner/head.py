@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -31,7 +31,7 @@ from .auto import Runner, estimate_layers, resolve_choice
 from .cost import ESTIMATE_MODES, SWAP_OPTIONS, Estimate
 from .solver import choose_modes
 
-__all__ = ["choose_with_head", "head_auto_modes", "head_note"]
+__all__ = ["choose_head", "choose_with_head", "fallback_message", "head_auto_modes", "head_note"]
 
 
 def choose_with_head(estimates: Mapping[str, Estimate], budget_bytes: int, options: Sequence[str],
@@ -65,37 +65,49 @@ def head_note(estimates: Mapping[str, Estimate]) -> str:
             f"({100 * (chunked.base_flops - plain.base_flops) / max(plain.base_flops, 1):.1f}% of the step).")
 
 
+def choose_head(policy: str, estimate_of: Callable[[str], Estimate], budget: Any, options: Sequence[str],
+                host_budget_bytes: int | None = None) -> tuple[str, dict[str, Estimate], list[str], int]:
+    """The head, the estimates profiled (``"off"``, and ``"chunked"`` where it was), the per-layer
+    options and the budget in bytes, by ``policy`` (``"chunked"``, ``"weigh"`` or ``"fallback"``:
+    :func:`hyperac.head.head_policy`); ``estimate_of(head)`` profiles the step with that head."""
+    estimates = {"off": estimate_of("off")}
+    budget_bytes = parse_budget(budget, estimates["off"].peak_bytes(["off"] * len(estimates["off"].layers)))
+    if policy == "fallback":
+        try:
+            return "off", estimates, choose_modes(estimates["off"], budget_bytes, options,
+                                                  host_budget_bytes=host_budget_bytes), budget_bytes
+        except ConfigError:
+            pass
+    estimates["chunked"] = estimate_of("chunked")
+    heads = ("off", "chunked") if policy == "weigh" else ("chunked",)
+    head, chosen = choose_with_head({h: estimates[h] for h in heads}, budget_bytes, options, host_budget_bytes)
+    if policy == "fallback":
+        warnings.warn(fallback_message(budget_bytes), HyperACWarning, stacklevel=5)
+    return head, estimates, chosen, budget_bytes
+
+
+def fallback_message(budget_bytes: int) -> str:
+    return (f"mode='auto' chunked the LM head and its loss to meet the budget of {budget_bytes / 2**20:.1f} MiB, "
+            "which no plan meets with the head as the model computes it: its gradients are within float32 rounding "
+            "of the un-chunked ones, not bitwise (docs/correctness.md). bitwise=True keeps results bitwise (and "
+            "refuses this budget); head='off' keeps the head as it is.")
+
+
 def head_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any,
                     runners: Mapping[str, Runner], policy: str, backend: Any, host_budget_bytes: int,
                     min_swap_bytes: int = 0) -> tuple[list[str], list[bool], dict[str, Any]]:
     """``mode="auto"`` with the head in the plan (NOTE [The head in the plan]): ``runners`` applies a
-    uniform mode with the head ``"off"`` and ``"chunked"``; ``policy`` is ``"chunked"``, ``"weigh"``
-    or ``"fallback"`` (:func:`hyperac.head.head_policy`)."""
-    def estimate(head: str) -> Estimate:
+    uniform mode with the head ``"off"`` and ``"chunked"``; ``policy`` as for :func:`choose_head`."""
+    def estimate_of(head: str) -> Estimate:
         return dataclasses.replace(estimate_layers(model, sample, layers, runners[head], backend),
                                    min_swap_bytes=min_swap_bytes)
 
-    estimates = {"off": estimate("off")}
-    budget_bytes = parse_budget(budget, estimates["off"].peak_bytes(["off"] * len(layers)))
     options = ESTIMATE_MODES + SWAP_OPTIONS if backend.can_swap else ESTIMATE_MODES
-    if policy == "fallback":
-        try:
-            chosen = choose_modes(estimates["off"], budget_bytes, options, host_budget_bytes=host_budget_bytes)
-        except ConfigError:
-            chosen = None
-        if chosen is not None:
-            return resolve_choice(estimates["off"], chosen, budget_bytes)
-    estimates["chunked"] = estimate("chunked")
-    heads = ("off", "chunked") if policy == "weigh" else ("chunked",)
-    head, chosen = choose_with_head({h: estimates[h] for h in heads}, budget_bytes, options, host_budget_bytes)
+    head, estimates, chosen, budget_bytes = choose_head(policy, estimate_of, budget, options, host_budget_bytes)
     modes, swaps, prediction = resolve_choice(estimates[head], chosen, budget_bytes)
-    prediction["head"] = head
-    prediction["notes"] = [*prediction["notes"], head_note(estimates)]
-    if policy == "fallback":
-        message = (f"mode='auto' chunked the LM head and its loss to meet the budget of {budget_bytes / 2**20:.1f} "
-                   "MiB, which no plan meets with the head as the model computes it: its gradients are within "
-                   "float32 rounding of the un-chunked ones, not bitwise (docs/correctness.md). bitwise=True "
-                   "keeps results bitwise (and refuses this budget); head='off' keeps the head as it is.")
-        warnings.warn(message, HyperACWarning, stacklevel=4)
-        prediction["notes"].append(message)
+    if "chunked" in estimates:
+        prediction["head"] = head
+        prediction["notes"] = [*prediction["notes"], head_note(estimates)]
+        if policy == "fallback":
+            prediction["notes"].append(fallback_message(budget_bytes))
     return modes, swaps, prediction
