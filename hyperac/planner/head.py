@@ -82,7 +82,7 @@ def choose_head(policy: str, estimate_of: Callable[[str], Estimate], budget: Any
     heads = ("off", "chunked") if policy == "weigh" else ("chunked",)
     head, chosen = choose_with_head({h: estimates[h] for h in heads}, budget_bytes, options, host_budget_bytes)
     if policy == "fallback":
-        warnings.warn(fallback_message(budget_bytes), HyperACWarning, stacklevel=5)
+        warnings.warn(fallback_message(budget_bytes), HyperACWarning, stacklevel=4)  # apply's caller
     return head, estimates, chosen, budget_bytes
 
 
