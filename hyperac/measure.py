@@ -33,22 +33,14 @@ def op_tensors(value: Any, found: list[torch.Tensor] | None = None) -> list[torc
     ``tree_flatten`` (registered node types, namedtuple checks) was most of their cost."""
     found = [] if found is None else found
     if isinstance(value, torch.Tensor):
-        _add_tensor(value, found)
+        found.append(value)
         return found
     for item in value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ():
         if isinstance(item, torch.Tensor):
-            _add_tensor(item, found)
+            found.append(item)
         elif isinstance(item, (tuple, list, dict)):
             op_tensors(item, found)
     return found
-
-
-def _add_tensor(tensor: torch.Tensor, found: list[torch.Tensor]) -> None:
-    # A sparse COO tensor (a sparse embedding gradient) has no storage of its own: its indices' and values' count.
-    if tensor.layout == torch.sparse_coo:
-        found.extend((tensor._indices(), tensor._values()))
-    else:
-        found.append(tensor)
 
 
 def created_storages(inputs: Any, out: Any) -> list[torch.UntypedStorage]:
