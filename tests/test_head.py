@@ -214,6 +214,19 @@ def test_tied_embedding_builds_no_dense_gradient() -> None:
     assert_head_parity(model, chunked, inputs)
 
 
+def test_gradients_accumulate_over_micro_batches() -> None:
+    model = FAMILIES["qwen2-tied"]()
+    chunked, _ = chunked_copy(model, head_chunk=8)
+    grads = []
+    for m in (model, chunked):
+        m.zero_grad(set_to_none=True)
+        for seed in (0, 1):  # the second step adds into the gradients the first left
+            m(**batch(seed=seed, num_items_in_batch=torch.tensor(120))).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for name, grad in grads[0].items():
+        assert (grads[1][name] - grad).abs().max() <= HEAD_BOUND * grad.abs().max(), name
+
+
 def test_peak_memory_is_lower() -> None:
     model = tiny_llama(1, vocab_size=8000)
     chunked, _ = chunked_copy(model, head_chunk=16)
