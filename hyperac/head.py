@@ -2,8 +2,9 @@
 
 Trade-off: the head and the loss keep no logits for backward (one chunk's at a time, in forward and
 again in backward) for one more head projection per step (``2 x tokens x hidden x vocabulary`` FLOPs,
-about 2% of a Llama-3-8B step), and the head weight's gradient is summed chunk by chunk, so it is
-within float32 rounding of the un-chunked one, not bitwise (NOTE [The head and the loss in chunks]).
+3.5% of a Llama-3-8B step at 8,192 tokens by ``hyperac plan``'s count), and the gradients are within
+float32 rounding of the un-chunked ones, not bitwise; the loss is bitwise on the CPU (NOTE [The head
+and the loss in chunks]).
 
 NOTE [The head and the loss in chunks]
 A causal LM's logits are tokens x vocabulary: at 8,192 tokens and Llama-3's 128,256 entries they are
@@ -24,18 +25,22 @@ plan reaches them. Where hyperac sees both the head and the loss it makes them o
   :class:`_HeadLoss`: per chunk of tokens the head, the recorded ops and the cross-entropy, keeping
   only the hidden states and the targets; in backward each chunk's logits are computed again, their
   gradient taken, and the hidden states' gradient and the head weight's gradient accumulated
-  (``addmm_`` into one vocabulary x hidden buffer). Given real logits it calls the original.
+  (``addmm`` into one vocabulary x hidden buffer). Given real logits, or labels that do not match
+  them, it calls the original. The installed objects are data the model owns (NOTE [Applied state
+  is data] in state.py); ``hyperac.remove`` puts the attributes back.
 
-Exactness: each token's loss and each hidden state's gradient depend on that token's row only, so
-chunking keeps them bitwise; the loss's sum over tokens reproduces ATen's order on the CPU (the
-cascade of ``nll_loss``'s reduction, :func:`_cascade_sum`), so the loss is bitwise there too. The
-head weight's (and bias's) gradient is a sum over tokens that the chunks split: within float32
-rounding of the un-chunked one (bitwise with one chunk). ``Config.bitwise=True`` refuses the head
-chunked. docs/correctness.md states the measured bound.
+Exactness: each token's loss depends on that token's row only, so chunking keeps it bitwise; the
+loss's sum over tokens reproduces ATen's order on the CPU (the cascade of ``nll_loss``'s reduction,
+:func:`_cascade_sum`), so the loss is bitwise there too. The head weight's (and bias's) gradient is
+a sum over tokens that the chunks split, and the hidden states' gradient a matmul whose blocking
+follows the chunk's size: within float32 rounding of the un-chunked ones (bitwise with one chunk).
+``Config.bitwise=True`` refuses the head chunked. docs/correctness.md states the measured bound.
 
 Left as they are (``print(plan)`` says which and why): models whose loss is not ``ForCausalLMLoss``,
-whose head is not a plain ``nn.Linear``, or whose head has forward hooks of others (FSDP2's unshard
-would not be around the chunked reads of its weight).
+whose head is not a plain ``nn.Linear``, or whose head has forward hooks of others (an FSDP2
+``fully_shard`` of the head alone: its unshard would not be around the chunked reads of its weight;
+sharded with the model, as ``tests/distributed_worker.py`` runs it, the head is chunked). Not under
+``compile=True`` (a ConfigError): the deferred logits are a tensor subclass.
 """
 
 from __future__ import annotations
