@@ -18,6 +18,7 @@ from .compiled import mechanism_note, require_knapsack, require_offloading
 from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, RankFailedError, UnsupportedModelError
+from .head import head_policy, install_head, resolve_head
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, LengthBucket, Plan
@@ -32,6 +33,7 @@ from .planner import (
 from .planner.auto import last_swap, link_bandwidth
 from .planner.compiled import compiled_auto_modes
 from .planner.group import ALONE, PlanGroup, plan_group
+from .planner.head import head_auto_modes
 from .policy import OpSets, resolve_op_sets
 from .random_sources import check_trackers_registered
 from .recompute import (
@@ -251,6 +253,9 @@ def apply(
     save_ops: Any = _D["save_ops"],
     force_recompute: Any = _D["force_recompute"],
     group: Any = _D["group"],
+    head: str | None = _D["head"],
+    head_chunk: int | None = _D["head_chunk"],
+    bitwise: bool = _D["bitwise"],
 ) -> Plan:
     """Make ``model`` keep fewer activations on the device, by recomputing them in backward or by
     holding them in host memory. Modifies ``model`` in place; gradients are unchanged.
@@ -279,7 +284,7 @@ def apply(
              swap_selective_outputs=swap_selective_outputs, min_swap_bytes=min_swap_bytes,
              host_budget_bytes=host_budget_bytes, budget=budget, sample=sample, plan=plan, adapter=adapter,
              max_seq_len=max_seq_len, seq_dim=seq_dim, length_buckets=length_buckets, save_ops=save_ops,
-             force_recompute=force_recompute, group=group),
+             force_recompute=force_recompute, group=group, head=head, head_chunk=head_chunk, bitwise=bitwise),
     )
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
@@ -312,6 +317,12 @@ def apply(
                 model, found, config.budget, config.sample,
                 _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
                 chosen_backend, config.compile, group)
+        elif policy := head_policy(config, named_modules):  # NOTE [The head in the plan] in planner/head.py
+            runners = {head: _uniform_runner(chosen_backend, config.adapter, head=head, head_chunk=config.head_chunk)
+                       for head in ("off", "chunked")}
+            modes, planned_swaps, prediction = head_auto_modes(
+                model, found, config.budget, config.sample, runners, policy, chosen_backend, _host_budget(config),
+                config.min_swap_bytes, group)
         else:
             modes, planned_swaps, prediction = auto_modes(
                 model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
@@ -360,9 +371,11 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
                                      tuple(f for f, _ in excluded), swap and i != last_swap, layer.found_by))
     if config.compile:
         notes.append(mechanism_note(modes, [layer.swap for layer in layer_plans]))
-    result = Plan(
-        backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes), **prediction
-    )
+    head, head_target = resolve_head(  # NOTE [The head and the loss in chunks] in head.py
+        prediction.pop("head", None) or config.head or (config.plan.head if config.plan else "off"), named_modules,
+        notes)
+    result = Plan(backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes),
+                  head=head, **prediction)
     for variant_modes, variant_swaps, *_ in variants:  # every plan a bucket may run
         _check_wrapped(found, variant_modes)
         require_knapsack(variant_modes, config.compile)
@@ -391,6 +404,8 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
             install_hook(model, switch, pre=True, with_kwargs=True)
         else:
             install_variant(0)
+        if head_target is not None:
+            install_head(head_target, state, config.head_chunk)
         if buckets or any(layer.recomputed for layer in layer_plans) or (planned and not any(swaps)):
             _hf.install_training_cache_defaults(named_modules, state)
         model.__dict__[STATE_KEY] = state
@@ -545,15 +560,17 @@ def _containers(found: list[Layer]) -> list[str]:
     return list(dict.fromkeys(layer.container for layer in found))
 
 
-def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Callable[..., Any]:
+def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False, head: str = "off",
+                    head_chunk: int | None = None) -> Callable[..., Any]:
     """``runner(model, containers)(mode) -> undo``: apply one mode to every layer, or
-    ``{container: {index: mode}}`` (for profiling)."""
+    ``{container: {index: mode}}`` (for profiling), with the head as ``head`` says."""
 
     def for_model(model: nn.Module, containers: list[str] | None) -> Callable[[str], Callable[[], None]]:
         def run(mode: Any) -> Callable[[], None]:
             # A mode, or per-container layer modes (NOTE [Identical layers measured once] in planner/profile.py).
             layers, mode = (containers, mode) if isinstance(mode, str) else (mode, "off")
-            config = Config(mode=mode, backend=backend, layers=layers, adapter=adapter, compile=compile)
+            config = Config(mode=mode, backend=backend, layers=layers, adapter=adapter, compile=compile, head=head,
+                            head_chunk=head_chunk)
             named_modules = _check_model(model)
             found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
             with warnings.catch_warnings():
@@ -568,7 +585,8 @@ def _uniform_runner(backend: Backend, adapter: Any, compile: bool = False) -> Ca
 
 
 def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: Any = None,
-             device_profile: str | None = None, min_swap_bytes: int = _D["min_swap_bytes"]) -> Estimate:
+             device_profile: str | None = None, min_swap_bytes: int = _D["min_swap_bytes"],
+             head: str | None = _D["head"], head_chunk: int | None = _D["head_chunk"]) -> Estimate:
     """Profile one step of ``model`` per mode and report, per layer and mode, the activation bytes
     kept for backward, the step's peak, the seconds and the FLOPs replayed, of steps run as an
     applied model trains: an HF model builds no KV cache (NOTE [KV caches in training] in _hf.py).
@@ -585,12 +603,14 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
             profile there is an error.
         min_swap_bytes: as for :func:`apply`: the swap costs count only storages of at least this
             many bytes (default ``Config``'s, 1 MiB).
+        head, head_chunk: as for :func:`apply`: ``head="chunked"`` profiles every step with the head and
+            the loss chunked (NOTE [The head in the plan]); ``None`` and ``"off"``, as the model computes them.
 
     Returns:
         An :class:`hyperac.planner.Estimate`; ``print()`` it for a table.
     """
     config = resolve_config(None, dict(mode="full", backend=backend, layers=layers, sample=sample,
-                                       min_swap_bytes=min_swap_bytes))
+                                       min_swap_bytes=min_swap_bytes, head=head, head_chunk=head_chunk))
     if config.layer_spec.rules:
         raise ConfigError("estimate() takes container paths in layers=, not per-layer modes.")
     named_modules = _check_model(model)
@@ -602,8 +622,9 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
                           "build the model under torch.device('meta').")
     chosen = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])
-    return dataclasses.replace(estimate_layers(model, sample, found, _uniform_runner(chosen, None), chosen,
-                                               device_profile), min_swap_bytes=config.min_swap_bytes)
+    runner = _uniform_runner(chosen, None, head=config.head or "off", head_chunk=config.head_chunk)
+    return dataclasses.replace(estimate_layers(model, sample, found, runner, chosen, device_profile),
+                               min_swap_bytes=config.min_swap_bytes)
 
 
 def applied_plan(model: nn.Module) -> Plan | None:

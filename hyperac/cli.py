@@ -199,17 +199,19 @@ def _model_and_samples(args: argparse.Namespace) -> tuple[torch.nn.Module, Calla
     return model, lambda length: {"input_ids": ids(length), "labels": ids(length)}, described
 
 
-def _estimates(args: argparse.Namespace, model: torch.nn.Module, sample_at: Callable[[int], Any]) -> list[Any]:
+def _estimates(args: argparse.Namespace, model: torch.nn.Module, sample_at: Callable[[int], Any],
+               head: str = "off") -> list[Any]:
     """The estimate at ``--seq``; with ``--max-seq-len``, fitted from ``--seq`` and half of it to each
     length bucket's bound, the last that length, as ``apply(mode="auto", max_seq_len=)`` plans
-    (:mod:`hyperac.planner.lengths`)."""
+    (:mod:`hyperac.planner.lengths`); the head and the loss as ``head`` says."""
     from . import api
     from .planner.lengths import bucket_bounds, fitted_estimates
 
     swap_options = {} if args.min_swap_bytes is None else {"min_swap_bytes": args.min_swap_bytes}
 
     def estimate_at(length: int, timed: bool = True) -> Any:  # on meta nothing is timed
-        return api.estimate(model, sample_at(length), backend="cpu", device_profile=args.device, **swap_options)
+        return api.estimate(model, sample_at(length), backend="cpu", device_profile=args.device, head=head,
+                            **swap_options)
 
     if args.max_seq_len is None:
         return [estimate_at(args.seq)]
@@ -248,11 +250,22 @@ def _write_plan(path: str, layers: tuple[Any, ...], predictions: dict[str, Any],
         raise HyperACError(f"--output: cannot write {path!r}: {error.strerror}.") from None
 
 
+def _head_policy(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
+    """How the plan weighs the head (NOTE [The head in the plan]), as ``apply(mode="auto")`` with ``head=``
+    as ``--head`` says."""
+    from .head import head_policy
+
+    return head_policy(argparse.Namespace(head=None if args.head == "default" else args.head,
+                                          bitwise=args.head == "off", max_seq_len=args.max_seq_len, compile=False),
+                       list(model.named_modules()))
+
+
 def plan(args: argparse.Namespace) -> int:
     """Estimate a model on the meta device and print (and with ``--output`` write) the plan that fits the budget."""
     from .plan import mode_letters
     from .planner import ESTIMATE_MODES, SWAP_OPTIONS, choose_modes
     from .planner.auto import resolve_choice
+    from .planner.head import choose_head, head_note
     from .planner.lengths import bucket_bounds, length_buckets
 
     host_budget = _host_budget_bytes(args)
@@ -264,8 +277,16 @@ def plan(args: argparse.Namespace) -> int:
     off = estimate.peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)
     options = ESTIMATE_MODES if host_budget is None else ESTIMATE_MODES + SWAP_OPTIONS
-    modes = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
+    policy = _head_policy(args, model)
+    by_head = {"off": estimate}
+    if policy is not None:  # NOTE [The head in the plan]
+        head, by_head, modes, _ = choose_head(policy, lambda h: estimate if h == "off" else _estimates(
+            args, model, sample_at, h)[-1], budget_bytes, options, host_budget)
+        estimate = by_head[head]
+    else:
+        head, modes = "off", choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
     resolved = resolve_choice(estimate, modes, budget_bytes, args.max_seq_len)
+    resolved[2]["head"] = head
     buckets = () if args.max_seq_len is None else length_buckets(
         bucket_bounds(args.max_seq_len, args.length_buckets), estimates, modes, resolved[0], budget_bytes)
     layers = _plan_layers(model, resolved[0], resolved[1])
@@ -286,6 +307,8 @@ def plan(args: argparse.Namespace) -> int:
     for bucket in buckets:
         print(f"  batches up to {bucket.max_len}: {mode_letters(bucket.modes)}, peak "
               f"{bucket.predicted_peak_bytes / 2**30:.2f} GiB, step {bucket.predicted_step_seconds * 1e3:.1f} ms")
+    if "chunked" in by_head:
+        print(f"head: {head}; {head_note(by_head)}")
     if args.output is not None:
         print(f"wrote the plan to {args.output}: hyperac.apply(model, plan=json.load(open({args.output!r})))")
     return 0
@@ -438,6 +461,10 @@ def _parser() -> argparse.ArgumentParser:
                              help="storages smaller than this stay on the device, as min_swap_bytes= in the API "
                                   "(default 1MiB; 0 lets every saved tensor go)")
     plan_parser.add_argument("--no-swap", action="store_true", help="plan recompute only, no swap to host memory")
+    plan_parser.add_argument("--head", choices=("default", "auto", "off", "chunked"), default="default",
+                             help="the LM head and its loss, as head= in the API: default chunks them (recomputed "
+                                  "in backward) only where no plan fits otherwise, auto weighs both by time, off "
+                                  "keeps them as the model computes them (results bitwise), chunked always")
     plan_parser.add_argument("--output", metavar="PLAN.json", type=_output_path,
                              help="also write the plan as JSON, for hyperac.apply(model, plan=json.load(...))")
     plan_parser.set_defaults(run=plan)

@@ -332,6 +332,27 @@ class Config:
     ranks whose training forwards agree on the length bucket (default: the default group where the
     plan was a group's)."""
 
+    head: str | None = None
+    """The language-model head and its token loss, where hyperac sees both (an HF ``*ForCausalLM``
+    computing ``ForCausalLMLoss`` from ``labels=``; NOTE [The head and the loss in chunks] in
+    hyperac/head.py). ``"off"``: as the model computes them. ``"chunked"``: per chunk of tokens, the
+    logits computed again in backward, so no step keeps more than one chunk's logits (one more head
+    projection per step; the loss bitwise on the CPU, the gradients within float32 rounding).
+    ``"auto"`` (with ``mode="auto"``): the planner weighs both, like a layer mode, and keeps the faster
+    plan that fits. ``None``: ``"off"`` for a fixed mode; ``mode="auto"`` keeps the head as it is unless
+    only chunking it meets the budget (then with a warning), and never with ``bitwise=True``. A model
+    whose loss hyperac cannot see keeps its head, and ``print(plan)`` says why."""
+
+    head_chunk: int | None = None
+    """Tokens per chunk of the chunked head. ``None``: a power of two that makes one chunk's logits
+    about the size of all the hidden states (tokens x hidden), as Liger's fused loss does, and at least
+    128 tokens (fewer spend their time reading the head weight again)."""
+
+    bitwise: bool = False
+    """Whether every result must be bitwise that of the un-applied model (CPU float32). The layer modes
+    are, either way; ``True`` also refuses what changes a sum's order (``head="chunked"``), and keeps
+    ``mode="auto"`` from choosing it. ``False`` accepts float32 rounding there."""
+
     def __post_init__(self) -> None:
         if cast(object, self.mode) is False:  # YAML reads a bare `off` as False
             object.__setattr__(self, "mode", "off")
@@ -362,6 +383,7 @@ class Config:
         object.__setattr__(self, "save_ops", _parse_save_ops(self.save_ops))
         object.__setattr__(self, "force_recompute", _parse_names("force_recompute", self.force_recompute))
         self._check_auto()
+        self._check_head()
         self._check_policy_options()
         self._check_swap_needs()
 
@@ -427,6 +449,34 @@ class Config:
             raise ConfigError(
                 f"Config.seq_dim={self.seq_dim!r} contradicts the plan's seq_dim={planned!r}, the dimension its length "
                 f"buckets were planned along; drop seq_dim= (the plan switches along dimension {planned})."
+            )
+
+    def _check_head(self) -> None:
+        if cast(object, self.head) is False:  # YAML reads a bare `off` as False
+            object.__setattr__(self, "head", "off")
+        if self.head not in (None, "off", "chunked", "auto"):
+            raise ConfigError(f"Config.head must be None, 'off', 'chunked' or 'auto', got {self.head!r}; e.g. "
+                              "head='chunked'.")
+        if self.head == "auto" and (self.mode != "auto" or self.bitwise):
+            raise ConfigError(
+                f"Config.head='auto' lets mode='auto' weigh the chunked head, but mode={self.mode!r} and "
+                f"bitwise={self.bitwise!r}; use mode='auto' with bitwise=False, or head='off' or 'chunked'."
+            )
+        _check_bool("bitwise", self.bitwise)
+        if self.head_chunk is not None and (isinstance(self.head_chunk, bool) or not isinstance(self.head_chunk, int)
+                                            or self.head_chunk < 1):
+            raise ConfigError(f"Config.head_chunk must be None or an int >= 1 (tokens per chunk), got "
+                              f"{self.head_chunk!r}; e.g. head_chunk=1024.")
+        if self.head == "chunked" and self.compile:
+            raise ConfigError(
+                "Config.head='chunked' is not supported with compile=True yet (its deferred logits are a tensor "
+                "subclass the compiler would break its graph on); use head='off' under compile, or compile=False."
+            )
+        if self.head == "chunked" and self.bitwise:
+            raise ConfigError(
+                "Config.head='chunked' with bitwise=True: the chunked head sums its weight's gradient chunk by chunk, "
+                "within float32 rounding of the un-chunked sum, not bitwise. Drop one: head='off' (or None) keeps "
+                "results bitwise, bitwise=False accepts the rounding."
             )
 
     @property

@@ -111,6 +111,9 @@ class Plan:
     """``mode="auto"`` with ``max_seq_len=``: the dimension of each training batch's first tensor
     read as its length, to pick its bucket (``Config.seq_dim``; ``None`` in plans written before it
     was kept: 1)."""
+    head: str = "off"
+    """What apply did to the language-model head and its loss: ``"off"`` (as the model computes them) or
+    ``"chunked"`` (``Config.head``; NOTE [The head and the loss in chunks] in hyperac/head.py)."""
     buckets: tuple[LengthBucket, ...] = ()
     """``mode="auto"`` with ``max_seq_len=``: the plan per length bucket, shortest first; the last
     (up to ``max_seq_len``) is the plan's own layers, the default. Each training forward runs the
@@ -146,7 +149,7 @@ class Plan:
                               f"the last one Config.plan['max_seq_len'] ({fields['max_seq_len']!r}).")
         batch = data.get("batch_shape")
         return cls(backend=data["backend"], adapter=data.get("adapter", "none"), layers=layers,
-                   notes=tuple(data.get("notes", ())), buckets=buckets,
+                   notes=tuple(data.get("notes", ())), buckets=buckets, head=data.get("head", "off"),
                    batch_shape=None if batch is None else tuple(batch), seq_dim=data.get("seq_dim"), **fields)
 
     def count(self, mode: str) -> int:
@@ -174,6 +177,7 @@ class Plan:
             **{name: getattr(self, name) for name in _PREDICTIONS},
             "batch_shape": None if self.batch_shape is None else list(self.batch_shape),
             "seq_dim": self.seq_dim,
+            "head": self.head,
             "buckets": [bucket.to_dict() for bucket in self.buckets],
         }
 
@@ -210,6 +214,8 @@ class Plan:
             lines.append(f"the plan of a group of {self.group_size} ranks: each installed it, planned on the slowest "
                          "rank's costs per layer and mode, within a budget per process")
         lines.extend(self._bucket_lines())
+        if self.head == "chunked":
+            lines.append("head: chunked (the head and the loss computed per chunk of tokens, again in backward)")
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -268,6 +274,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "int >= 0": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
     "int >= 1": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1,
     "int >= 2": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 2,
+    "head": lambda value: value in ("off", "chunked"),
     "number >= 0": lambda value: (isinstance(value, (int, float)) and not isinstance(value, bool)
                                   and math.isfinite(value) and value >= 0),
 }
@@ -314,6 +321,7 @@ _PLAN_FIELDS = {
     "seq_dim": _Field("int >= 0", "the sequence dimension as an int >= 0 (1 for (batch, seq)), or None",
                       optional=True),
     "buckets": _Field("checked apart", "a list of bucket dicts, shortest first", sequence=True),
+    "head": _Field("head", "'off' (as the model computes it) or 'chunked' (hyperac/head.py)"),
     "group_size": _Field("int >= 2", "an int >= 2 (the ranks that made the plan together), or None", optional=True),
 }
 _LAYER_FIELDS = {

@@ -3,7 +3,8 @@
 NOTE [Applied state is data]
 apply changes a model in three ways, and only these: ``model.__dict__["_hyperac_state"]`` holds an
 :class:`AppliedState` (the plan, the swap manager, the warnings already given); some modules get an
-instance ``forward`` (an override); some HF model modules get a forward pre-hook. Every override
+instance attribute (``forward``, an override; an HF model's ``_loss_function``, NOTE [The head and the
+loss in chunks] in head.py); some HF model modules get a forward pre-hook. Every override
 and hook is an instance of a module-level subclass of :class:`Installed` that names its owner
 state and holds plain data, never a closure over the model. So:
 
@@ -29,7 +30,7 @@ from .compiled import OffloadLease, release_offloading
 from .plan import Plan
 from .swap import SwapManager
 
-__all__ = ["STATE_KEY", "AppliedState", "Installed", "Override", "find_owned", "install_hook", "undo"]
+__all__ = ["STATE_KEY", "AppliedState", "Attribute", "Installed", "Override", "find_owned", "install_hook", "undo"]
 
 STATE_KEY = "_hyperac_state"
 
@@ -78,6 +79,13 @@ class Installed:
     handle: RemovableHandle | None = None
 
 
+class Attribute(Installed):
+    """An instance attribute hyperac sets on a module (one of ``_ATTRIBUTES``); ``restore`` undoes it."""
+
+    def restore(self, module: nn.Module) -> None:
+        raise NotImplementedError
+
+
 def install_hook(module: nn.Module, hook: Installed, *, pre: bool, **options: Any) -> None:
     """Register ``hook`` as a forward (``pre``: pre-) hook of ``module``, keeping its handle on it.
 
@@ -89,7 +97,7 @@ def install_hook(module: nn.Module, hook: Installed, *, pre: bool, **options: An
     hook.handle = register(hook, **options)
 
 
-class Override(Installed):
+class Override(Attribute):
     """A forward hyperac sets on one module instance (``module.forward``), in place of ``original``:
     the instance forward found at apply, or ``None`` for the class's own.
 
@@ -131,12 +139,15 @@ class Override(Installed):
 
 # The hook tables hyperac registers in (read to find its hooks; they are removed by their handles).
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+# The instance attributes hyperac sets (each value has ``restore(module)``, which undoes it).
+_ATTRIBUTES = ("forward", "_loss_function")
 
 
 def _installed(module: nn.Module) -> Iterator[Installed]:
-    forward = module.__dict__.get("forward")
-    if isinstance(forward, Installed):
-        yield forward
+    for name in _ATTRIBUTES:
+        value = module.__dict__.get(name)
+        if isinstance(value, Installed):
+            yield value
     for name in _HOOK_DICTS:
         yield from (hook for hook in module.__dict__.get(name, {}).values() if isinstance(hook, Installed))
 
@@ -159,9 +170,10 @@ def undo(model: nn.Module, state: AppliedState) -> None:
     """Remove every override and hook ``state`` owns from ``model``'s modules, drop the state and
     free its swap buffers."""
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, Override) and forward.owner is state:
-            forward.restore(module)
+        for name in _ATTRIBUTES:
+            value = module.__dict__.get(name)
+            if isinstance(value, Attribute) and value.owner is state:
+                value.restore(module)
         for hook in [hook for hook in _installed(module) if hook.handle is not None and hook.owner is state]:
             hook.handle.remove()
     if model.__dict__.get(STATE_KEY) is state:

@@ -40,6 +40,8 @@ OPTIONS: dict[str, dict[str, Any] | None] = {
     "plan": dict(mode="off", layers={0: "full", 1: "selective"}),
     "swap": dict(mode="swap", **SIM_SWAP),
     "full_swap_inputs": dict(mode="full", swap_inputs=True, **SIM_SWAP),
+    # The chunked head (hyperac/head.py) in one chunk: bitwise, so the case holds it to the wrapper alone.
+    "full_head_chunked": dict(mode="full", head="chunked", head_chunk=1 << 20),
 }
 
 
