@@ -42,7 +42,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import importlib
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -58,6 +57,7 @@ from . import higher_order
 from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
+from .lifecycle import hook_stack, stacks_note
 from .op_identity import communicates, key_length
 from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay_check import cast_of_a_leaf, divergence
@@ -99,16 +99,6 @@ _PROFILER_OPS = (
     "profiler::_record_function_enter_new",
     "profiler::_record_function_exit",
 )
-_FSDP_LIFECYCLE_OPS = (
-    "fsdp::all_gather_copy_in",
-    "fsdp::split_with_sizes_copy",
-    "fsdp::chunk_cat",
-    "fsdp::copy_",
-    "c10d::_allgather_base_",
-    "aten::empty.memory_format",
-    "aten::empty_like",
-    "aten::view",
-)
 
 
 def _all_overloads(qualified_names: tuple[str, ...]) -> frozenset:
@@ -127,12 +117,6 @@ def _all_overloads(qualified_names: tuple[str, ...]) -> frozenset:
         else:
             names.extend(f"{qualified}.{overload}" for overload in packet.overloads())
     return resolve_ops(names)
-
-
-def _import_fsdp_ops() -> None:
-    """FSDP2 registers its ``fsdp::`` ops when imported; import it so they can be ignored."""
-    if torch.distributed.is_available():
-        importlib.import_module("torch.distributed.fsdp")
 
 
 # What an op is to a policy. The recording and replay modes look each op up once per call, in a
@@ -216,7 +200,6 @@ class OpSets:
 def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -> OpSets:
     """Resolve every op set from the ops registered now and the backend's own kernels; with
     ``save_ops`` (``Config.save_ops``), the kept ops and matmuls are those it names."""
-    _import_fsdp_ops()
     matmul = _all_overloads(_MATMUL_OPS)
     recompute = _all_overloads(_ALWAYS_RECOMPUTE_OPS)
     if save_ops is None:
@@ -229,7 +212,7 @@ def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -
     else:
         keep = _named_ops(save_ops)
         matmul = matmul & keep
-    ignored = _all_overloads(_PROFILER_OPS + _FSDP_LIFECYCLE_OPS)
+    ignored = _all_overloads(_PROFILER_OPS)
     communication = backend.communication_ops() - ignored - recompute
     keep = (keep | communication) - matmul - recompute
     attention = frozenset() if save_ops is not None else frozenset(
@@ -489,17 +472,21 @@ class _Tape:
     (replay runs it), a :class:`_Kept` (replay returns it) or ``_CONSUMED`` (an earlier replay
     returned it; a later one runs the op again)."""
 
-    __slots__ = ("entries", "index", "keys", "layer")
+    __slots__ = ("entries", "index", "keys", "layer", "stacks")
 
     def __init__(self, layer: str, index: int | None) -> None:
         self.keys: list[Any] = []
         self.entries: list[Any] = []
         self.layer, self.index = layer, index
+        self.stacks: set[str] = set()
+        """The packages whose module hooks ran parameter lifecycle ops in the region (NOTE [Parameter
+        lifecycles are not the layer's program] in lifecycle.py)."""
 
 
 def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
     recorded = tape.keys[index] if index < len(tape.keys) else "nothing more"
-    return divergence(tape.layer, tape.index, f"op {index} of {len(tape.keys)}", f"ran {recorded}", f"ran {ran}")
+    return divergence(tape.layer, tape.index, f"op {index} of {len(tape.keys)}", f"ran {recorded}", f"ran {ran}",
+                      stacks_note(tape.stacks))
 
 
 class _EagerMode(TorchDispatchMode):
@@ -551,6 +538,16 @@ class _EagerMode(TorchDispatchMode):
             return super().__exit__(exc_type, exc_value, traceback)
         finally:
             resume_frame_compilation(self.paused_hook)
+
+    def _parameter_lifecycle(self) -> bool:
+        """Whether the op being dispatched (with autograd off) is run by a module hook, a sharding stack's
+        parameter lifecycle, which neither mode sees (NOTE [Parameter lifecycles are not the layer's
+        program] in lifecycle.py); the stack is noted on the tape, for the error of a divergent replay."""
+        stack = hook_stack()
+        if stack is None:
+            return False
+        self.tape.stacks.add(stack)
+        return True
 
 
 class _RecordingMode(_EagerMode):
@@ -629,6 +626,8 @@ class _RecordingMode(_EagerMode):
         entry = self.table.get(id(func))
         kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
+            return func(*args, **kwargs)
+        if not torch.is_grad_enabled() and self._parameter_lifecycle():
             return func(*args, **kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
@@ -838,6 +837,8 @@ class _ReplayMode(_EagerMode):
         entry = self.table.get(id(func))
         kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
+            return func(*args, **kwargs)
+        if not torch.is_grad_enabled() and self._parameter_lifecycle():
             return func(*args, **kwargs)
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func

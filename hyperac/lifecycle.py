@@ -1,0 +1,105 @@
+"""Which ops a sharding stack runs to gather, release or prefetch a layer's parameters: not the layer's program.
+
+NOTE [Parameter lifecycles are not the layer's program]
+A sharding stack (DeepSpeed ZeRO-3, FSDP2 on a layer's sub-modules, whatever comes next) keeps each
+parameter in shards and gathers it in a module's forward pre-hook, then releases it in the forward
+hook; ZeRO-3 also attaches autograd functions to the module's inputs and outputs there, to gather
+again in backward. Which parameters a hook gathers, and with which ops, depends on the stack's own
+bookkeeping, not on the layer: in a layer's replay ZeRO-3 finds some parameters still gathered (or
+prefetched by its coordinator's trace) and runs other ops than in the forward (``aten.slice`` of a
+flat buffer in one, none in the other). Recorded, those ops would make the selective replay diverge
+from its tape on the first layer that prefetches differently; kept, a parameter all-gather would pin
+the gathered parameters until backward. So the recording and replay modes do not see them: they run
+as the stack runs them, each time the stack runs them, and take no place on the tape.
+
+They are told from the layer's own ops by what runs them, not by their names (which no list keeps up
+with: ``fsdp::all_gather_copy_in``, DeepSpeed's ``slice`` and ``detach``, the next stack's own ops):
+an op run with autograd off by a module hook, the code that ``nn.Module.__call__`` runs before or
+after the module's ``forward``. A layer's program is what its ``forward`` runs, its sub-modules'
+forwards included; a hook whose ops autograd records (one that changes the module's output) is part
+of it, and so is everything under ``torch.no_grad()`` inside a forward. A collective in a forward
+(Megatron's sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an
+``autograd.Function``) is the layer's and kept like every collective (NOTE [Collectives by their
+schema] in op_identity.py); the same op run by a ZeRO-3 pre-hook on parameter shards is not seen.
+The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or
+the ``inner`` function it runs when hooks are registered) tells by its current line whether it is
+calling the module's ``forward`` or a hook. Only ops run with autograd off pay for the look (a few
+frames up, under a microsecond). The package whose code the hook runs names the stack in the error
+of a replay that still diverges (:func:`stacks_note`).
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+import types
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["hook_stack", "stacks_note"]
+
+
+def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.CodeType, int]]]:
+    """The code of ``nn.Module.__call__``'s frames, and the (code, line) pairs where they call ``forward``."""
+    outer = nn.Module._call_impl.__code__
+    codes = [outer, *(const for const in outer.co_consts if isinstance(const, types.CodeType))]
+    forward_lines = frozenset(
+        (code, instruction.positions.lineno)
+        for code in codes
+        for instruction in dis.get_instructions(code)
+        if instruction.argval == "forward_call" and instruction.opname.startswith("LOAD")
+        and instruction.positions is not None and instruction.positions.lineno is not None
+    )
+    return frozenset(codes), forward_lines
+
+
+_CALL_CODES, _FORWARD_LINES = _call_frames()
+_WRAPPERS = ("torch._", "torch.utils.", "torch.compiler", "contextlib", "functools")
+"""Modules of the decorators a hook may be wrapped in (``torch.no_grad()``, ``torch.compiler.disable``):
+the stack is named by the first frame below the hook that is none of these."""
+
+
+def hook_stack() -> str | None:
+    """The package of the module hook running the current op with autograd off, or ``None`` where the op
+    is the layer's own (NOTE [Parameter lifecycles are not the layer's program]). Call it from a dispatch
+    mode's ``__torch_dispatch__``."""
+    if torch.is_grad_enabled():
+        return None
+    frame = sys._getframe(2)
+    walked: list[types.FrameType] = []
+    while frame is not None:
+        code = frame.f_code
+        if code in _CALL_CODES:
+            if not walked or (code, frame.f_lineno) in _FORWARD_LINES:
+                return None
+            return _package(walked)
+        walked.append(frame)
+        frame = frame.f_back
+    return None
+
+
+def _package(walked: list[types.FrameType]) -> str:
+    """The package whose code a module hook runs, from the frames between the op (first) and
+    ``nn.Module.__call__`` (last, the hook itself): the first that is no wrapper, from the hook down
+    (``deepspeed``, ``torch.distributed.fsdp``)."""
+    for frame in reversed(walked):
+        name = frame.f_globals.get("__name__", "?")
+        if not name.startswith(_WRAPPERS):
+            parts = name.split(".")
+            return ".".join(parts[:3]) if parts[0] == "torch" else parts[0]
+    return "?"
+
+
+def stacks_note(stacks: Iterable[str]) -> str:
+    """What a divergence error adds where the layer ran a sharding stack's parameter hooks: the stack, and
+    ``mode="full"``, whose replay is not checked op by op."""
+    names = sorted(set(stacks))
+    if not names:
+        return ""
+    return (
+        f" The layer's modules run parameter hooks of {', '.join(names)} (a sharding stack gathering and releasing "
+        "parameters), whose ops hyperac leaves out of the replay; where they still change what the layer runs, "
+        "every layer diverges alike: apply hyperac with mode='full' to this model instead of turning layers off."
+    )
