@@ -21,10 +21,12 @@ the rest:
   user's own) reach the recording and replay modes as one op each, with a rule per op: flex attention
   is attention, compiled regions are kept, control flow is replayed, an unknown one is kept (NOTE
   [Higher-order operators] in higher_order.py);
-* profiler markers and FSDP parameter-lifecycle ops run as usual but stay out of the replay
-  accounting, so an FSDP unshard that happens outside the region in forward and inside it in
-  recompute does not shift the op stream. The ignore list belongs to each policy; PyTorch's
-  process-wide ``SAC_IGNORED_OPS`` is left as it is.
+* profiler markers run as usual but stay out of the replay accounting (the ignore list belongs to
+  each policy; PyTorch's process-wide ``SAC_IGNORED_OPS`` is left as it is), and so do the ops a
+  sharding stack's module hooks run to gather, release or prefetch parameters (ZeRO-3, FSDP2 on
+  sub-modules), told apart by what runs them, not by name, so a gather that the forward runs and the
+  replay does not (or the other way round) does not shift the op stream (NOTE [Parameter lifecycles
+  are not the layer's program] in lifecycle.py).
 
 In eager mode hyperac records and replays with its own dispatch modes (``_RecordingMode``,
 ``_ReplayMode``) on PyTorch's ``checkpoint(context_fn=...)``, rather than PyTorch's selective
