@@ -15,7 +15,10 @@ as the stack runs them, each time the stack runs them, and take no place on the 
 They are told from the layer's own ops by what runs them, not by their names (which no list keeps up
 with: ``fsdp::all_gather_copy_in``, DeepSpeed's ``slice`` and ``detach``, the next stack's own ops):
 an op run with autograd off by a module hook, the code that ``nn.Module.__call__`` runs before or
-after the module's ``forward``. A layer's program is what its ``forward`` runs, its sub-modules'
+after the module's ``forward``; or an op run while a module's attribute is looked up
+(``nn.Module.__getattr__``, which runs no op of its own: ZeRO-3 replaces a module's parameter dict
+with one that gathers a parameter a forward reads outside its own module, PEFT's LoRA layer reading
+its adapter's ``weight.dtype``). A layer's program is what its ``forward`` runs, its sub-modules'
 forwards included; a hook whose ops autograd records (one that changes the module's output) is part
 of it, and so is everything under ``torch.no_grad()`` inside a forward. A collective in a forward
 (Megatron's sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an
@@ -23,9 +26,10 @@ of it, and so is everything under ``torch.no_grad()`` inside a forward. A collec
 schema] in op_identity.py); the same op run by a ZeRO-3 pre-hook on parameter shards is not seen.
 The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or
 the ``inner`` function it runs when hooks are registered) tells by its current line whether it is
-calling the module's ``forward`` or a hook. Only ops run with autograd off pay for the look (a few
-frames up, under a microsecond). The package whose code the hook runs names the stack in the error
-of a replay that still diverges (:func:`stacks_note`).
+calling the module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops with an
+argument autograd tracks (most of a layer's, on its activations) are the layer's without the look;
+the others pay for a few frames up (under a microsecond). The package whose code the hook runs names
+the stack in the error of a replay that still diverges (:func:`stacks_note`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["hook_stack", "stacks_note"]
+__all__ = ["lifecycle_stack", "stacks_note"]
 
 
 def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.CodeType, int]]]:
@@ -56,23 +60,27 @@ def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.Cod
 
 
 _CALL_CODES, _FORWARD_LINES = _call_frames()
+_GETATTR = nn.Module.__getattr__.__code__
 _WRAPPERS = ("torch._", "torch.utils.", "torch.compiler", "contextlib", "functools")
 """Modules of the decorators a hook may be wrapped in (``torch.no_grad()``, ``torch.compiler.disable``):
 the stack is named by the first frame below the hook that is none of these."""
 
 
-def hook_stack() -> str | None:
-    """The package of the module hook running the current op with autograd off, or ``None`` where the op
-    is the layer's own (NOTE [Parameter lifecycles are not the layer's program]). Call it from a dispatch
-    mode's ``__torch_dispatch__``."""
-    if torch.is_grad_enabled():
-        return None
-    frame = sys._getframe(2)
+def lifecycle_stack(args: tuple) -> str | None:
+    """The package of the sharding stack running the current op (called with ``args``) to gather, release
+    or prefetch parameters, or ``None`` where the op is the layer's own (NOTE [Parameter lifecycles are not
+    the layer's program]). Call it from a dispatch mode's ``__torch_dispatch__``, through one method."""
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled and any(type(arg) is torch.Tensor and arg.requires_grad for arg in args):
+        return None  # computes on what autograd tracks: the layer's own (the common case, with no look up the stack)
+    frame = sys._getframe(3)  # the code that called the op (past this, the mode's method, its __torch_dispatch__)
     walked: list[types.FrameType] = []
     while frame is not None:
         code = frame.f_code
+        if code is _GETATTR:
+            return _package(walked) if walked else None
         if code in _CALL_CODES:
-            if not walked or (code, frame.f_lineno) in _FORWARD_LINES:
+            if grad_enabled or not walked or (code, frame.f_lineno) in _FORWARD_LINES:
                 return None
             return _package(walked)
         walked.append(frame)

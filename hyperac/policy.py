@@ -59,7 +59,7 @@ from . import higher_order
 from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
-from .lifecycle import hook_stack, stacks_note
+from .lifecycle import lifecycle_stack, stacks_note
 from .op_identity import communicates, key_length
 from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay_check import cast_of_a_leaf, divergence
@@ -541,11 +541,11 @@ class _EagerMode(TorchDispatchMode):
         finally:
             resume_frame_compilation(self.paused_hook)
 
-    def _parameter_lifecycle(self) -> bool:
-        """Whether the op being dispatched (with autograd off) is run by a module hook, a sharding stack's
-        parameter lifecycle, which neither mode sees (NOTE [Parameter lifecycles are not the layer's
-        program] in lifecycle.py); the stack is noted on the tape, for the error of a divergent replay."""
-        stack = hook_stack()
+    def _parameter_lifecycle(self, args: tuple) -> bool:
+        """Whether the op being dispatched (with ``args``) is a sharding stack's parameter lifecycle, which
+        neither mode sees (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py); the
+        stack is noted on the tape, for the error of a divergent replay."""
+        stack = lifecycle_stack(args)
         if stack is None:
             return False
         self.tape.stacks.add(stack)
@@ -629,7 +629,7 @@ class _RecordingMode(_EagerMode):
         kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
-        if not torch.is_grad_enabled() and self._parameter_lifecycle():
+        if self._parameter_lifecycle(args):
             return func(*args, **kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
@@ -840,7 +840,7 @@ class _ReplayMode(_EagerMode):
         kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
-        if not torch.is_grad_enabled() and self._parameter_lifecycle():
+        if self._parameter_lifecycle(args):
             return func(*args, **kwargs)
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func

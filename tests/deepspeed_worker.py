@@ -4,7 +4,7 @@ Run under torchrun (two ranks, ``DS_ACCELERATOR=cpu``, which this file sets); ra
 object with a result per case of :data:`CASES` (``python tests/deepspeed_worker.py --list`` prints their keys)::
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/deepspeed_worker.py OUT.json [engine] \
-        [trainer]
+        [trainer] [planned]
 
 ``engine`` cases train two steps of a tiny Llama (full fine-tuning, or LoRA through peft) with
 ``deepspeed.initialize`` and SGD, ZeRO-3 partitioning every parameter (``stage3_param_persistence_threshold=0``)
@@ -67,6 +67,18 @@ class Case:
     """The model is built under ``deepspeed.zero.Init`` (partitioned as it is built)."""
 
     @property
+    def planned_by_ranks(self) -> bool:
+        """``auto`` profiling a ZeRO-3 engine's module (after ``initialize``, as the Trainer's callback does):
+        its profiled steps run ZeRO-3's all-gathers, so every rank must profile as many steps as the others
+        (issue 34's one plan per job). Run in a launch of their own (``planned``): a rank that profiles a
+        step fewer leaves the other waiting in a collective until gloo's timeout."""
+        return self.stage == 3 and self.variant == "auto" and (self.order == "after" or self.group == "trainer")
+
+    @property
+    def launch(self) -> str:
+        return "planned" if self.planned_by_ranks else self.group
+
+    @property
     def options(self) -> dict[str, Any] | None:
         return None if self.variant == "off" else MODES[self.variant]
 
@@ -90,7 +102,8 @@ def _cases() -> list[Case]:
                       for order in ("before", "after") for variant in MODES]
     cases.append(Case("engine", 3, "full", "off", zero_init=True))
     cases += [Case("engine", 3, "full", variant, order, zero_init=True)
-              for order in ("before", "after") for variant in ("full", "selective", "auto")]
+              for order in ("before", "after") for variant in ("full", "selective")]
+    cases.append(Case("engine", 3, "full", "auto", "after", zero_init=True))  # a zero.Init model runs once initialized
     for stage in (2, 3):
         cases += [Case("trainer", stage, "full", variant) for variant in ("off", "selective", "auto")]
     cases.append(Case("trainer", 3, "lora", "off"))
@@ -258,8 +271,10 @@ def run_cases(cases: list[Case]) -> dict[str, Any]:
 def run_groups(groups: list[str]) -> dict[str, Any]:
     if dist.get_world_size() != WORLD:
         raise SystemExit(f"run with --nproc_per_node={WORLD}")
-    chosen = set(groups or ("engine", "trainer"))
-    return run_cases([case for case in CASES if case.group in chosen or case.key in chosen])
+    chosen = set(groups or ("engine", "trainer", "planned"))
+    selected = {case.key for case in CASES if case.launch in chosen or case.key in chosen}
+    selected |= {case.baseline for case in CASES if case.key in selected}
+    return run_cases([case for case in CASES if case.key in selected])
 
 
 if __name__ == "__main__":

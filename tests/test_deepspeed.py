@@ -32,16 +32,25 @@ WORKER = pathlib.Path(__file__).with_name("deepspeed_worker.py")
 TOLERANCE = 1e-5  # the reference without DeepSpeed averages the ranks' gradients in another order
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def launch(tmp_path_factory, groups: list[str]) -> dict:
     output = tmp_path_factory.mktemp("deepspeed") / "results.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-               str(output)]
+               str(output), *groups]
     environment = {**os.environ, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=WORKER.parent, env=environment)
     if done.returncode != 0 or not output.exists():
         pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return json.loads(output.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch(tmp_path_factory, ["engine", "trainer"])
+
+
+@pytest.fixture(scope="module")
+def planned_results(tmp_path_factory):
+    return launch(tmp_path_factory, ["planned"])
 
 
 def succeeded(results: dict, case: Case) -> dict:
@@ -53,8 +62,9 @@ def succeeded(results: dict, case: Case) -> dict:
     return result
 
 
-ENGINE_CASES = [case for case in CASES if case.group == "engine"]
-TRAINER_CASES = [case for case in CASES if case.group == "trainer"]
+ENGINE_CASES = [case for case in CASES if case.launch == "engine"]
+TRAINER_CASES = [case for case in CASES if case.launch == "trainer"]
+PLANNED_CASES = [case for case in CASES if case.launch == "planned"]
 
 
 @pytest.mark.parametrize("case", ENGINE_CASES, ids=lambda case: case.key)
@@ -74,3 +84,15 @@ def test_trainer(results, case):
     result = succeeded(results, case)
     assert len(result["losses"]) == 2
     assert not result["applied_after_train"]
+
+
+@pytest.mark.parametrize("case", PLANNED_CASES, ids=lambda case: case.key)
+def test_auto_on_a_zero3_engine(planned_results, case):
+    """``auto`` applied to a ZeRO-3 engine's module (directly, and by the Trainer's callback): its profiled
+    steps gather parameters with collectives, so the ranks must profile alike and install one plan (issue
+    34's one plan per job); then the steps are bitwise those without hyperac."""
+    result = succeeded(planned_results, case)
+    if case.group == "trainer":
+        assert not result["applied_after_train"]
+    else:
+        assert result["max_diff"] <= TOLERANCE, f"{case.key}: loss or a gradient differs by {result['max_diff']}"

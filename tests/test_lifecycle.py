@@ -44,28 +44,49 @@ class ToyShards:
     def gather(self, module: nn.Module, args: tuple) -> None:
         if id(module) in GATHERED:
             return
+        weight = dict.__getitem__(module._parameters, "weight")  # not through the stack's own dict
         with torch.set_grad_enabled(self.grad_enabled):
             shard, flat = self.shards[module], self.buffers[module]
             flat[: shard.numel()].copy_(shard)
-            gathered = flat.narrow(0, 0, shard.numel()).view_as(module.weight)
+            gathered = flat.narrow(0, 0, shard.numel()).view_as(weight)
             with torch.no_grad():
-                module.weight.copy_(gathered)
+                weight.copy_(gathered)
         GATHERED.add(id(module))
 
 
-def sharded_llama() -> nn.Module:
+class GatheringParameters(dict):
+    """A module's parameter dict that gathers a parameter when it is read, with autograd on, as ZeRO-3's
+    ``ZeROOrderedDict`` does for a parameter a forward reads outside its own module's hooks."""
+
+    def __init__(self, module: nn.Module, shards: ToyShards) -> None:
+        super().__init__(module._parameters)
+        self.module, self.shards = module, shards
+
+    def __getitem__(self, name: str) -> nn.Parameter:
+        if name == "weight" and id(self.module) not in GATHERED:
+            self.shards.gather(self.module, ())
+        return super().__getitem__(name)
+
+
+def sharded_llama(on_access: bool = False) -> nn.Module:
     model = tiny_llama(num_layers=2)
-    ToyShards(model)
+    shards = ToyShards(model, grad_enabled=on_access)
+    if on_access:
+        for module in shards.shards:
+            module._forward_pre_hooks.clear()
+            module._parameters = GatheringParameters(module, shards)
     return model
 
 
+@pytest.mark.parametrize("on_access", [False, True], ids=["in_hooks", "on_access"])
 @pytest.mark.parametrize("mode", MODES + ["plan"])
-def test_gathers_the_replay_does_not_run_are_not_the_layers(mode):
+def test_gathers_the_replay_does_not_run_are_not_the_layers(mode, on_access):
     """The replay finds every weight gathered and runs no gather: loss and gradients are the un-applied
-    model's, bitwise, in every mode (``selective`` raised RecomputeMismatchError before)."""
+    model's, bitwise, in every mode (``selective`` raised RecomputeMismatchError before), whether the
+    stack gathers in module hooks with autograd off or when a parameter is read."""
     loss_fn = lm_loss(seq=16)
-    reference = train_step(sharded_llama(), loss_fn)
-    model = sharded_llama()
+    reference = train_step(sharded_llama(on_access), loss_fn)
+    model = sharded_llama(on_access)
     options = dict(mode="off", layers={0: "selective", 1: "pointwise"}) if mode == "plan" else dict(mode=mode)
     if mode == "swap":
         options.update(backend="sim", min_swap_bytes=0)
