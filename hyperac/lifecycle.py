@@ -14,13 +14,15 @@ as the stack runs them, each time the stack runs them, and take no place on the 
 
 They are told from the layer's own ops by what runs them, not by their names (which no list keeps up
 with: ``fsdp::all_gather_copy_in``, DeepSpeed's ``slice`` and ``detach``, the next stack's own ops):
-an op run with autograd off by a module hook, the code that ``nn.Module.__call__`` runs before or
-after the module's ``forward``; or an op run while a module's attribute is looked up
+an op run by a module hook (the code that ``nn.Module.__call__`` runs before or after the module's
+``forward``) with autograd off or on nothing autograd tracks (FSDP2 builds its unsharded parameters'
+views with autograd on); or an op run while a module's attribute is looked up
 (``nn.Module.__getattr__``, which runs no op of its own: ZeRO-3 replaces a module's parameter dict
 with one that gathers a parameter a forward reads outside its own module, PEFT's LoRA layer reading
 its adapter's ``weight.dtype``). A layer's program is what its ``forward`` runs, its sub-modules'
-forwards included; a hook whose ops autograd records (one that changes the module's output) is part
-of it, and so is everything under ``torch.no_grad()`` inside a forward. A collective in a forward
+forwards included; a hook's op on what autograd tracks (one that changes the module's output, a
+tensor-parallel hook redistributing its input) is part of it, and so is everything under
+``torch.no_grad()`` inside a forward. A collective in a forward
 (Megatron's sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an
 ``autograd.Function``) is the layer's and kept like every collective (NOTE [Collectives by their
 schema] in op_identity.py); the same op run by a ZeRO-3 pre-hook on parameter shards is not seen.
@@ -71,7 +73,7 @@ def lifecycle_stack(args: tuple) -> str | None:
     or prefetch parameters, or ``None`` where the op is the layer's own (NOTE [Parameter lifecycles are not
     the layer's program]). Call it from a dispatch mode's ``__torch_dispatch__``, through one method."""
     grad_enabled = torch.is_grad_enabled()
-    if grad_enabled and any(type(arg) is torch.Tensor and arg.requires_grad for arg in args):
+    if grad_enabled and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
         return None  # computes on what autograd tracks: the layer's own (the common case, with no look up the stack)
     frame = sys._getframe(3)  # the code that called the op (past this, the mode's method, its __torch_dispatch__)
     walked: list[types.FrameType] = []
@@ -80,7 +82,7 @@ def lifecycle_stack(args: tuple) -> str | None:
         if code is _GETATTR:
             return _package(walked) if walked else None
         if code in _CALL_CODES:
-            if grad_enabled or not walked or (code, frame.f_lineno) in _FORWARD_LINES:
+            if not walked or (code, frame.f_lineno) in _FORWARD_LINES:
                 return None
             return _package(walked)
         walked.append(frame)

@@ -72,7 +72,7 @@ class Case:
         its profiled steps run ZeRO-3's all-gathers, so every rank must profile as many steps as the others
         (issue 34's one plan per job). Run in a launch of their own (``planned``): a rank that profiles a
         step fewer leaves the other waiting in a collective until gloo's timeout."""
-        return self.stage == 3 and self.variant == "auto" and (self.order == "after" or self.group == "trainer")
+        return self.stage == 3 and self.variant == "auto" and self.order == "after"
 
     @property
     def launch(self) -> str:
@@ -105,9 +105,10 @@ def _cases() -> list[Case]:
               for order in ("before", "after") for variant in ("full", "selective")]
     cases.append(Case("engine", 3, "full", "auto", "after", zero_init=True))  # a zero.Init model runs once initialized
     for stage in (2, 3):
-        cases += [Case("trainer", stage, "full", variant) for variant in ("off", "selective", "auto")]
+        cases.append(Case("trainer", stage, "full", "off"))
+        cases += [Case("trainer", stage, "full", variant, "after") for variant in ("selective", "auto")]
     cases.append(Case("trainer", 3, "lora", "off"))
-    cases.append(Case("trainer", 3, "lora", "selective"))
+    cases.append(Case("trainer", 3, "lora", "selective", "after"))  # the callback applies to the engine's module
     return cases
 
 

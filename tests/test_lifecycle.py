@@ -29,10 +29,12 @@ ZeRO-3's coordinator does (on the engine), where the replay's Python state does 
 class ToyShards:
     """Each Linear's weight lives in a flat shard buffer; a pre-hook gathers it into the parameter (through
     a slice of the stack's flat gather buffer, as ZeRO-3's) once per step, and not again while it is gathered.
-    ``grad_enabled``: the hook runs with autograd on, which hyperac cannot tell from the layer's own ops."""
+    ``grad_enabled``: it gathers with autograd on. ``touch_inputs``: when it gathers, it also passes the
+    module's input on through an op (``x * 1``), which autograd tracks: an op hyperac cannot tell from
+    the layer's own."""
 
-    def __init__(self, model: nn.Module, grad_enabled: bool = False) -> None:
-        self.grad_enabled = grad_enabled
+    def __init__(self, model: nn.Module, grad_enabled: bool = False, touch_inputs: bool = False) -> None:
+        self.grad_enabled, self.touch_inputs = grad_enabled, touch_inputs
         self.shards, self.buffers = {}, {}
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -41,9 +43,9 @@ class ToyShards:
                 module.register_forward_pre_hook(self.gather)
         model.register_forward_pre_hook(lambda module, args: GATHERED.clear())  # a new step
 
-    def gather(self, module: nn.Module, args: tuple) -> None:
+    def gather(self, module: nn.Module, args: tuple) -> tuple | None:
         if id(module) in GATHERED:
-            return
+            return None
         weight = dict.__getitem__(module._parameters, "weight")  # not through the stack's own dict
         with torch.set_grad_enabled(self.grad_enabled):
             shard, flat = self.shards[module], self.buffers[module]
@@ -52,6 +54,7 @@ class ToyShards:
             with torch.no_grad():
                 weight.copy_(gathered)
         GATHERED.add(id(module))
+        return (args[0] * 1,) if self.touch_inputs else None
 
 
 class GatheringParameters(dict):
@@ -107,11 +110,11 @@ def test_auto_plans_over_the_stacks_hooks():
 
 
 def test_hooks_hyperac_cannot_tell_name_the_stack_and_full_mode():
-    """Gather ops run with autograd on look like the layer's own: the replay diverges, and the error names
-    the package whose hooks ran (this file) and ``mode='full'``, not a layer to turn off (every layer
-    would diverge alike)."""
+    """A hook's op on what autograd tracks looks like the layer's own: the replay, which does not run it,
+    diverges, and the error names the package whose hooks ran (this file) and ``mode='full'``, not a
+    layer to turn off (every layer would diverge alike)."""
     model = tiny_llama(num_layers=2)
-    ToyShards(model, grad_enabled=True)
+    ToyShards(model, touch_inputs=True)
     hyperac.apply(model, mode="selective")
     with pytest.raises(hyperac.RecomputeMismatchError) as raised:
         train_step(model, lm_loss(seq=16))
