@@ -25,7 +25,11 @@ tensor-parallel hook redistributing its input) is part of it, and so is everythi
 ``torch.no_grad()`` inside a forward. A collective in a forward
 (Megatron's sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an
 ``autograd.Function``) is the layer's and kept like every collective (NOTE [Collectives by their
-schema] in op_identity.py); the same op run by a ZeRO-3 pre-hook on parameter shards is not seen.
+schema] in op_identity.py), and so is one a hook runs on the module's inputs or output (a
+tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd off);
+the same op run by a ZeRO-3 pre-hook on parameter shards, which are neither, is not seen. What a hook
+derives from the module's inputs and output (a chunked, concatenated copy to reduce-scatter) counts as
+them.
 The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or
 the ``inner`` function it runs when hooks are registered) tells by its current line whether it is
 calling the module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops with an
@@ -39,12 +43,14 @@ from __future__ import annotations
 import dis
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["lifecycle_stack", "stacks_note"]
+__all__ = ["HookOps", "stacks_note"]
 
 
 def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.CodeType, int]]]:
@@ -68,26 +74,78 @@ _WRAPPERS = ("torch._", "torch.utils.", "torch.compiler", "contextlib", "functoo
 the stack is named by the first frame below the hook that is none of these."""
 
 
-def lifecycle_stack(args: tuple) -> str | None:
-    """The package of the sharding stack running the current op (called with ``args``) to gather, release
-    or prefetch parameters, or ``None`` where the op is the layer's own (NOTE [Parameter lifecycles are not
-    the layer's program]). Call it from a dispatch mode's ``__torch_dispatch__``, through one method."""
-    grad_enabled = torch.is_grad_enabled()
-    if grad_enabled and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
-        return None  # computes on what autograd tracks: the layer's own (the common case, with no look up the stack)
-    frame = sys._getframe(3)  # the code that called the op (past this, the mode's method, its __torch_dispatch__)
-    walked: list[types.FrameType] = []
-    while frame is not None:
-        code = frame.f_code
-        if code is _GETATTR:
-            return _package(walked) if walked else None
-        if code in _CALL_CODES:
-            if not walked or (code, frame.f_lineno) in _FORWARD_LINES:
-                return None
-            return _package(walked)
-        walked.append(frame)
-        frame = frame.f_back
-    return None
+class HookOps:
+    """Tells, op by op, what a sharding stack runs to gather, release or prefetch parameters (NOTE [Parameter
+    lifecycles are not the layer's program]); one per recording or replay mode. Plain data: the stacks
+    met, and the storages the module hook now running holds of the module's inputs and output
+    (``activations``), with those its ops derived from them (a tensor-parallel hook's ``cat`` of chunks
+    of the output before it reduce-scatters them)."""
+
+    __slots__ = ("activations", "call", "derives", "stacks")
+
+    def __init__(self) -> None:
+        self.stacks: set[str] = set()
+        """The packages whose hooks ran such ops (named in the error of a replay that still diverges)."""
+        self.call: tuple[int, object] | None = None
+        self.activations: set[int] = set()
+        self.derives = False
+
+    def owns(self, args: tuple, collective: bool) -> bool:
+        """Whether the op being dispatched (called with ``args``; ``collective``: it communicates) is a
+        stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` through one
+        method, and :meth:`ran` with the op's output where it answers ``True``."""
+        if torch.is_grad_enabled() and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+            return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
+        frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
+        walked: list[types.FrameType] = []
+        while frame is not None:
+            code = frame.f_code
+            if code is _GETATTR:
+                if not walked:
+                    return False
+                self.stacks.add(_package(walked))
+                self.derives = False
+                return True
+            if code in _CALL_CODES:
+                if not walked or (code, frame.f_lineno) in _FORWARD_LINES:
+                    return False
+                reads_activations = any(storage in self._activations_of(frame) for storage in _storages(args))
+                if collective and reads_activations:
+                    return False
+                self.stacks.add(_package(walked))
+                self.derives = reads_activations
+                return True
+            walked.append(frame)
+            frame = frame.f_back
+        return False
+
+    def ran(self, out: object) -> None:
+        """The stack's op returned ``out``: derived from the module's activations, it is one of them."""
+        if self.derives:
+            self.activations.update(_storages(out))
+
+    def _activations_of(self, call: types.FrameType) -> set[int]:
+        """The storages of the module's inputs and output as ``nn.Module.__call__``'s frame ``call`` holds them
+        (``args``, ``kwargs``, ``result``), and what the hook derived from them so far."""
+        held = call.f_locals
+        key = (id(call), held.get("args"))
+        if self.call is None or self.call[0] != key[0] or self.call[1] is not key[1]:
+            self.call = key
+            self.activations = set(_storages((held.get("args"), held.get("kwargs"), held.get("result"))))
+        return self.activations
+
+
+def _storages(value: object) -> Iterator[int]:
+    """The storages (addresses) of the tensors in ``value``, those inside tensor subclasses (a DTensor's local
+    shard) too."""
+    for leaf in tree_leaves(value):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(leaf):
+            names, _ = leaf.__tensor_flatten__()
+            yield from _storages([getattr(leaf, name) for name in names])
+        else:
+            yield leaf.untyped_storage()._cdata
 
 
 def _package(walked: list[types.FrameType]) -> str:

@@ -59,7 +59,7 @@ from . import higher_order
 from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
-from .lifecycle import lifecycle_stack, stacks_note
+from .lifecycle import HookOps, stacks_note
 from .op_identity import communicates, key_length
 from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay_check import cast_of_a_leaf, divergence
@@ -518,6 +518,21 @@ class _EagerMode(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook_ops = HookOps()
+        """What sharding stacks' module hooks run in the region: not its program (NOTE [Parameter lifecycles
+        are not the layer's program] in lifecycle.py)."""
+
+    def _stack_op(self, func: Any, args: tuple, kwargs: dict, kind: int) -> tuple[bool, Any]:
+        """``(True, output)`` where the op is a sharding stack's parameter lifecycle, which runs as it is and
+        neither mode sees; ``(False, None)`` where it is the layer's."""
+        if not self.hook_ops.owns(args, kind == _COLLECTIVE):
+            return False, None
+        out = func(*args, **kwargs)
+        self.hook_ops.ran(out)
+        return True, out
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return not FRAME_HOOK_AVAILABLE
@@ -540,17 +555,6 @@ class _EagerMode(TorchDispatchMode):
             return super().__exit__(exc_type, exc_value, traceback)
         finally:
             resume_frame_compilation(self.paused_hook)
-
-    def _parameter_lifecycle(self, args: tuple) -> bool:
-        """Whether the op being dispatched (with ``args``) is a sharding stack's parameter lifecycle, which
-        neither mode sees (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py); the
-        stack is noted on the tape, for the error of a divergent replay."""
-        stack = lifecycle_stack(args)
-        if stack is None:
-            return False
-        self.tape.stacks.add(stack)
-        return True
-
 
 class _RecordingMode(_EagerMode):
     """Runs a region's forward, keeping the outputs the policy keeps (on a :class:`_Tape`).
@@ -590,6 +594,7 @@ class _RecordingMode(_EagerMode):
                  on_watch: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         self.tape = tape
+        self.hook_ops.stacks = tape.stacks  # named in the error of a replay that diverges
         self.policy = policy
         self.table = policy.ops.table
         self.on_save = on_save
@@ -629,8 +634,9 @@ class _RecordingMode(_EagerMode):
         kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
-        if self._parameter_lifecycle(args):
-            return func(*args, **kwargs)
+        stack_op, out = self._stack_op(func, args, kwargs, kind)
+        if stack_op:
+            return out
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         versions = higher_order.tensor_versions(args, kwargs) if kind == _ONCE else None
@@ -790,6 +796,7 @@ class _ReplayMode(_EagerMode):
     def __init__(self, tape: _Tape, ops: OpSets, before_replay: Callable[[], None] | None) -> None:
         super().__init__()
         self.tape = tape
+        self.hook_ops.stacks = tape.stacks  # named in the error of a replay that diverges
         self.ops = ops
         self.table = ops.table
         self.before_replay = before_replay
@@ -840,8 +847,9 @@ class _ReplayMode(_EagerMode):
         kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
-        if self._parameter_lifecycle(args):
-            return func(*args, **kwargs)
+        stack_op, out = self._stack_op(func, args, kwargs, kind)
+        if stack_op:
+            return out
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func
         if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key) or func is _TO_COPY:
