@@ -24,11 +24,11 @@ forwards included; a hook's op on what autograd tracks (one that changes the mod
 tensor-parallel hook redistributing its input) is part of it, and so is everything under
 ``torch.no_grad()`` inside a forward. A collective in a forward (Megatron's sequence-parallel
 all-gather of activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's
-and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is one a hook runs on the module's inputs or output (a
-tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd off);
-the same op run by a ZeRO-3 pre-hook on parameter shards, which are neither, is not seen. What a hook
-derives from the module's inputs and output (a chunked, concatenated copy to reduce-scatter) counts as
-them.
+and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is one
+a hook runs on the module's inputs or output (a tensor-parallel plan's hooks redistributing
+activations, ``DTensor.redistribute`` with autograd off); the same op run by a ZeRO-3 pre-hook on
+parameter shards, which are neither, is not seen. What a hook derives from the module's inputs and
+output (a chunked, concatenated copy to reduce-scatter) counts as them.
 
 The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or
 the ``inner`` function it runs when hooks are registered) tells by its current line whether it is
