@@ -12,7 +12,10 @@ not allocated yet"), with no word of the layer or a fix. hyperac cannot refill a
 see freed (a storage's resize is no dispatcher op), so the first forward of each recomputed region
 watches what autograd saves and, when the forward is done, refuses the layer if one of those
 storages lost its data. The watch is one Python call per saved tensor, on the first training forward
-of each region only: the freeing is a property of the layer's code, the same every step.
+of each region only: the freeing is a property of the layer's code, the same every step. Parameters and
+their views are not watched: a sharding stack frees a gathered parameter's storage after its module's forward (FSDP2's
+reshard on a sub-module of the layer) and gathers it again before that module's backward, in the
+replay as without hyperac (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py).
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ class _WatchSaves:
 
 def _watch(saved: list[tuple[weakref.ref, torch.Size]], pack: Callable[[torch.Tensor], Any],
            tensor: torch.Tensor) -> Any:
-    if tensor.numel():
+    base = tensor if tensor._base is None else tensor._base  # a weight is saved as its view (``t``) too
+    if tensor.numel() and not isinstance(base, torch.nn.Parameter):
         saved.append((weakref.ref(tensor.untyped_storage()), tensor.shape))
     return pack(tensor)
 

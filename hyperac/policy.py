@@ -24,10 +24,12 @@ the rest:
   user's own) reach the recording and replay modes as one op each, with a rule per op: flex attention
   is attention, compiled regions are kept, control flow is replayed, an unknown one is kept (NOTE
   [Higher-order operators] in higher_order.py);
-* profiler markers and FSDP parameter-lifecycle ops run as usual but stay out of the replay
-  accounting, so an FSDP unshard that happens outside the region in forward and inside it in
-  recompute does not shift the op stream. The ignore list belongs to each policy; PyTorch's
-  process-wide ``SAC_IGNORED_OPS`` is left as it is.
+* profiler markers run as usual but stay out of the replay accounting (the ignore list belongs to
+  each policy; PyTorch's process-wide ``SAC_IGNORED_OPS`` is left as it is), and so do the ops a
+  sharding stack's module hooks run to gather, release or prefetch parameters (ZeRO-3, FSDP2 on
+  sub-modules), told apart by what runs them, not by name, so a gather that the forward runs and the
+  replay does not (or the other way round) does not shift the op stream (NOTE [Parameter lifecycles
+  are not the layer's program] in lifecycle.py).
 
 In eager mode hyperac records and replays with its own dispatch modes (``_RecordingMode``,
 ``_ReplayMode``) on PyTorch's ``checkpoint(context_fn=...)``, rather than PyTorch's selective
@@ -45,7 +47,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import importlib
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -61,6 +62,7 @@ from . import higher_order
 from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame_compilation
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
+from .lifecycle import HookOps, stacks_note
 from .op_identity import communicates, key_length
 from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay_check import cast_of_a_leaf, divergence
@@ -110,16 +112,6 @@ _PROFILER_OPS = (
     "profiler::_record_function_enter_new",
     "profiler::_record_function_exit",
 )
-_FSDP_LIFECYCLE_OPS = (
-    "fsdp::all_gather_copy_in",
-    "fsdp::split_with_sizes_copy",
-    "fsdp::chunk_cat",
-    "fsdp::copy_",
-    "c10d::_allgather_base_",
-    "aten::empty.memory_format",
-    "aten::empty_like",
-    "aten::view",
-)
 
 
 def _all_overloads(qualified_names: tuple[str, ...]) -> frozenset:
@@ -138,12 +130,6 @@ def _all_overloads(qualified_names: tuple[str, ...]) -> frozenset:
         else:
             names.extend(f"{qualified}.{overload}" for overload in packet.overloads())
     return resolve_ops(names)
-
-
-def _import_fsdp_ops() -> None:
-    """FSDP2 registers its ``fsdp::`` ops when imported; import it so they can be ignored."""
-    if torch.distributed.is_available():
-        importlib.import_module("torch.distributed.fsdp")
 
 
 # What an op is to a policy. The recording and replay modes look each op up once per call, in a
@@ -238,7 +224,6 @@ def routing_ops() -> frozenset:
 def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -> OpSets:
     """Resolve every op set from the ops registered now and the backend's own kernels; with
     ``save_ops`` (``Config.save_ops``), the kept ops and matmuls are those it names."""
-    _import_fsdp_ops()
     matmul = _all_overloads(_MATMUL_OPS)
     routing = routing_ops()
     if save_ops is None:
@@ -251,7 +236,7 @@ def resolve_op_sets(backend: Backend, save_ops: tuple[str, ...] | None = None) -
     else:
         keep = _named_ops(save_ops)
         matmul = matmul & keep
-    ignored = _all_overloads(_PROFILER_OPS + _FSDP_LIFECYCLE_OPS)
+    ignored = _all_overloads(_PROFILER_OPS)
     communication = backend.communication_ops() - ignored - routing
     keep = (keep | communication) - matmul - routing
     attention = frozenset() if save_ops is not None else frozenset(
@@ -527,17 +512,21 @@ class _Tape:
     (replay runs it), a :class:`_Kept` (replay returns it) or ``_CONSUMED`` (an earlier replay
     returned it; a later one runs the op again)."""
 
-    __slots__ = ("entries", "index", "keys", "layer")
+    __slots__ = ("entries", "index", "keys", "layer", "stacks")
 
     def __init__(self, layer: str, index: int | None) -> None:
         self.keys: list[Any] = []
         self.entries: list[Any] = []
         self.layer, self.index = layer, index
+        self.stacks: set[str] = set()
+        """The packages whose module hooks ran parameter lifecycle ops in the region (NOTE [Parameter
+        lifecycles are not the layer's program] in lifecycle.py)."""
 
 
 def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
     recorded = tape.keys[index] if index < len(tape.keys) else "nothing more"
-    return divergence(tape.layer, tape.index, f"op {index} of {len(tape.keys)}", f"ran {recorded}", f"ran {ran}")
+    return divergence(tape.layer, tape.index, f"op {index} of {len(tape.keys)}", f"ran {recorded}", f"ran {ran}",
+                      stacks_note(tape.stacks))
 
 
 def unfit(layer: str, index: int | None, where: str, kept: tuple, args: tuple) -> RecomputeMismatchError:
@@ -581,6 +570,21 @@ class _EagerMode(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook_ops = HookOps()
+        """What sharding stacks' module hooks run in the region: not its program (NOTE [Parameter lifecycles
+        are not the layer's program] in lifecycle.py)."""
+
+    def _stack_op(self, func: Any, args: tuple, kwargs: dict, kind: int) -> tuple[bool, Any]:
+        """``(True, output)`` where the op is a sharding stack's parameter lifecycle, which runs as it is and
+        neither mode sees; ``(False, None)`` where it is the layer's."""
+        if not self.hook_ops.owns(args, kind == _COLLECTIVE):
+            return False, None
+        out = func(*args, **kwargs)
+        self.hook_ops.ran(out)
+        return True, out
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return not FRAME_HOOK_AVAILABLE
@@ -603,7 +607,6 @@ class _EagerMode(TorchDispatchMode):
             return super().__exit__(exc_type, exc_value, traceback)
         finally:
             resume_frame_compilation(self.paused_hook)
-
 
 class _RecordingMode(_EagerMode):
     """Runs a region's forward, keeping the outputs the policy keeps (on a :class:`_Tape`).
@@ -643,6 +646,7 @@ class _RecordingMode(_EagerMode):
                  on_watch: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         self.tape = tape
+        self.hook_ops.stacks = tape.stacks  # named in the error of a replay that diverges
         self.policy = policy
         self.table = policy.ops.table
         self.on_save = on_save
@@ -682,6 +686,9 @@ class _RecordingMode(_EagerMode):
         kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
+        stack_op, out = self._stack_op(func, args, kwargs, kind)
+        if stack_op:
+            return out
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         versions = higher_order.tensor_versions(args, kwargs) if kind == _ONCE else None
@@ -853,6 +860,7 @@ class _ReplayMode(_EagerMode):
     def __init__(self, tape: _Tape, ops: OpSets, before_replay: Callable[[], None] | None) -> None:
         super().__init__()
         self.tape = tape
+        self.hook_ops.stacks = tape.stacks  # named in the error of a replay that diverges
         self.ops = ops
         self.table = ops.table
         self.before_replay = before_replay
@@ -903,6 +911,9 @@ class _ReplayMode(_EagerMode):
         kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
+        stack_op, out = self._stack_op(func, args, kwargs, kind)
+        if stack_op:
+            return out
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func
         if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key) or func is _TO_COPY:

@@ -57,11 +57,17 @@ _LIKELY_CAUSES = (
 )
 
 
-def divergence(layer: str, index: int | None, where: str, forward: str, replay: str) -> RecomputeMismatchError:
-    """The error for a replay of ``layer`` (flat index ``index``) that differs from its forward at ``where``."""
+def divergence(layer: str, index: int | None, where: str, forward: str, replay: str,
+               stacks: str = "") -> RecomputeMismatchError:
+    """The error for a replay of ``layer`` (flat index ``index``) that differs from its forward at ``where``;
+    ``stacks``: what to say instead of turning the layer off where a sharding stack's hooks ran in it
+    (:func:`hyperac.lifecycle.stacks_note`), since every layer would diverge alike."""
+    head = f"hyperac: the recompute of layer {layer!r} diverged from its forward at {where}: the forward {forward}, " \
+        f"the recompute {replay}."
+    if stacks:
+        return RecomputeMismatchError(head + stacks)
     return RecomputeMismatchError(
-        f"hyperac: the recompute of layer {layer!r} diverged from its forward at {where}: the forward {forward}, "
-        f"the recompute {replay}. {_LIKELY_CAUSES}. Return such values from the forward instead of storing them, or "
+        f"{head} {_LIKELY_CAUSES}. Return such values from the forward instead of storing them, or "
         "leave the layer out of recompute: hyperac.apply(model, ..., "
         f"layers={{{index if index is not None else '<index>'}: 'off'}}) for this one."
     )

@@ -62,6 +62,9 @@ class Case:
     """Instead of hyperac: torch's reentrant checkpoint around each layer (the failure hyperac avoids)."""
     hf_recompute: bool = False
     """Instead of hyperac: HF's ``activation_checkpointing_enable()`` (all-gather counts to compare)."""
+    inner: bool = False
+    """``fully_shard`` on each Linear inside the layers too: their unshard and reshard hooks run inside the
+    recompute regions (NOTE [Parameter lifecycles are not the layer's program] in hyperac/lifecycle.py)."""
     expect_error: str | None = None
 
     @property
@@ -71,7 +74,7 @@ class Case:
 
     @property
     def baseline(self) -> str:
-        return dataclasses.replace(self, variant="off").key
+        return dataclasses.replace(self, variant="inner_off" if self.inner else "off").key
 
 
 def _cases() -> list[Case]:
@@ -81,6 +84,10 @@ def _cases() -> list[Case]:
         cases += [Case("fsdp", model, f"{name}_shard_first", OPTIONS[name], order="shard_first")
                   for name in ("full", "selective")]
     cases.append(Case("fsdp", "llama", "hf_activation_checkpointing", None, hf_recompute=True))
+    cases += [Case("fsdp", "llama", f"inner_{name}", OPTIONS[name], inner=True)
+              for name in ("off", "full", "selective", "swap")]
+    cases.append(Case("fsdp", "llama", "inner_pointwise_shard_first", dict(mode="pointwise"), order="shard_first",
+                      inner=True))
     double_use = "mark a variable ready only once"
     for model in ("llama", "reused"):
         for find_unused in (False, True):
@@ -213,6 +220,9 @@ def run_fsdp(case: Case, base: nn.Module) -> tuple[Step, dict[str, Any]]:
     if case.options is not None and case.order == "apply_first":
         plan = hyperac.apply(model, **case.options)
     for layer in distinct_layers(model):
+        for module in layer.modules() if case.inner else ():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mesh=mesh)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if case.options is not None and case.order == "shard_first":

@@ -201,9 +201,7 @@ def test_two_tensor_parallel_ranks_bitwise(tensor_parallel_results, sequence_par
     the un-applied model on the same ranks, bitwise, over two steps. The selective modes keep the
     outputs of Megatron's all-reduces and reduce-scatters (never run again: gloo runs as many
     all-reduces as without hyperac); full recompute runs them again in backward, as Megatron's own
-    full recompute does. Not yet kept: sequence parallel's all-gather (``c10d::_allgather_base_``,
-    which hyperac's policy ignores for FSDP2's parameter unshard) runs again in the replay, on every
-    rank alike."""
+    full recompute does; sequence parallel's all-gather (``c10d::_allgather_base_``) is kept too."""
     parallel = "sp" if sequence_parallel else "tp"
     result = tensor_parallel_results[f"{parallel}/{mode}"]
     assert "error" not in result, result.get("traceback", result.get("error"))

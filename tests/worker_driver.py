@@ -50,7 +50,7 @@ def record(results: dict[str, Any], steps: dict[str, Step], case: Any,
     info["max_diff"], _ = compare(step, reference)
     if case.baseline in steps and case.key != case.baseline:
         info["bitwise"] = compare(step, steps[case.baseline])[1]
-    info["loss"] = step[0].item()
+    info["loss"] = step[0].tolist()  # a float, or one per step
     results[case.key] = info
 
 

@@ -19,10 +19,10 @@ hyperac does the same once the tracker is registered (:func:`hyperac.register_rn
 recompute on raises too (its layers would be recomputed twice).
 
 Megatron's collectives run inside its ``autograd.Function`` s, where hyperac's selective modes see
-them as ``c10d`` ops: the tensor-parallel all-reduce and the sequence-parallel reduce-scatter are kept
-and not run again in backward (NOTE [Collectives that write into their arguments] in policy.py);
-sequence parallel's all-gather (``c10d::_allgather_base_``, which the policy ignores for FSDP2's
-parameter unshard) runs again in the replay on every rank alike, as under ``full``. The pipeline's
+them as ``c10d`` ops: the tensor-parallel all-reduce and the sequence parallel all-gather and
+reduce-scatter are kept and not run again in backward (NOTE [Collectives that write into their
+arguments] in policy.py; a parameter all-gather run by a sharding stack's module hook is not the
+layer's, NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py). The pipeline's
 ``deallocate_output_tensor`` frees a stage's output data after sending it, which hyperac's regions do
 not read again (the layer's output is not one of its saved inputs). Megatron's output-discarding
 ``CheckpointWithoutOutput`` inside a recomputed layer is refused on the layer's first forward (NOTE

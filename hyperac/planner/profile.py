@@ -214,8 +214,9 @@ class _Profiler(StepMode):
                 self.owner_of.append(owner)
         return out
 
-    def result(self, parameters: Sequence[torch.Tensor]) -> ModeProfile:
-        excluded = self.timeline.ids(gradients(parameters))
+    def result(self, grads: Sequence[torch.Tensor]) -> ModeProfile:
+        """The profile, the parameters' gradients ``grads`` left out of the activation bytes."""
+        excluded = self.timeline.ids(grads)
         live = self.timeline.live_bytes(excluded)
         kept: dict[int | None, int] = defaultdict(int)
         for key, (born, nbytes, _) in enumerate(self.timeline.births):
@@ -318,12 +319,12 @@ def _profiled_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Mod
             profiler.timeline.release(output)
             profiler.mark = profiler.timeline.now
             profiler.backward = True
-            loss.backward()
+            grads = _backward(model, loss)
             del loss, output
     finally:
         for handle in handles:
             handle.remove()
-    return profiler.result(list(model.parameters()))
+    return profiler.result(grads)
 
 
 def _timed_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module],
@@ -335,13 +336,32 @@ def _timed_step(model: nn.Module, sample: Any, layer_modules: Sequence[nn.Module
         start = clock()
         loss, output = _loss(model, sample)
         del output
-        loss.backward()
+        _backward(model, loss)
         end = clock()
     finally:
         for handle in handles:
             handle.remove()
-    model.zero_grad(set_to_none=True)
     return layer_clock.seconds(len(layer_modules), start, end)
+
+
+def _backward(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    """A profiled step's backward, which computes the parameters' gradients and hands them back instead
+    of accumulating them.
+
+    NOTE [Profiled steps leave the gradients alone]
+    A model may be wrapped already when it is planned (``deepspeed.initialize``, DDP, HF's Trainer, which
+    wraps before ``HyperACCallback`` applies): the wrapper's hooks on the parameters' gradient
+    accumulation (ZeRO's reduce-scatter into its partitions, DDP's bucketed all-reduce) would take the
+    profiling steps' gradients into the training step's, or, ZeRO-3's, fail on a parameter reduced
+    twice in one step. So the profiled steps ask autograd for the gradients of the trainable parameters
+    (``torch.autograd.grad``): the same backward ops, module hooks and peaks, but no accumulation into
+    ``.grad`` and none of its hooks. The gradients are left out of the activation bytes as ``.grad`` is.
+    """
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    if not trainable or not loss.requires_grad:
+        loss.backward()
+        return gradients(model.parameters())
+    return [grad for grad in torch.autograd.grad(loss, trainable, allow_unused=True) if grad is not None]
 
 
 def profile_modes(

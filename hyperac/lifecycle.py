@@ -1,0 +1,174 @@
+"""Which ops a sharding stack runs to gather, release or prefetch a layer's parameters: not the layer's program.
+
+NOTE [Parameter lifecycles are not the layer's program]
+A sharding stack (DeepSpeed ZeRO-3, FSDP2 on a layer's sub-modules, whatever comes next) keeps each
+parameter in shards and gathers it in a module's forward pre-hook, then releases it in the forward
+hook; ZeRO-3 also attaches autograd functions to the module's inputs and outputs there, to gather
+again in backward. Which parameters a hook gathers, and with which ops, depends on the stack's own
+bookkeeping, not on the layer: in a layer's replay ZeRO-3 finds some parameters still gathered (or
+prefetched by its coordinator's trace) and runs other ops than in the forward (``aten.slice`` of a
+flat buffer in one, none in the other). Recorded, those ops would make the selective replay diverge
+from its tape on the first layer that prefetches differently; kept, a parameter all-gather would pin
+the gathered parameters until backward. So the recording and replay modes do not see them: they run
+as the stack runs them, each time the stack runs them, and take no place on the tape.
+
+They are told from the layer's own ops by what runs them, not by their names (which no list keeps up
+with: ``fsdp::all_gather_copy_in``, DeepSpeed's ``slice`` and ``detach``, the next stack's own ops):
+an op run by a module hook (the code that ``nn.Module.__call__`` runs before or after the module's
+``forward``) with autograd off or on nothing autograd tracks (FSDP2 builds its unsharded parameters'
+views with autograd on); or an op run while a module's attribute is looked up
+(``nn.Module.__getattr__``, which runs no op of its own: ZeRO-3 replaces a module's parameter dict
+with one that gathers a parameter a forward reads outside its own module, PEFT's LoRA layer reading
+its adapter's ``weight.dtype``). A layer's program is what its ``forward`` runs, its sub-modules'
+forwards included; a hook's op on what autograd tracks (one that changes the module's output, a
+tensor-parallel hook redistributing its input) is part of it, and so is everything under
+``torch.no_grad()`` inside a forward. A collective in a forward (Megatron's sequence-parallel
+all-gather of activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's
+and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is one
+a hook runs on the module's inputs or output (a tensor-parallel plan's hooks redistributing
+activations, ``DTensor.redistribute`` with autograd off); the same op run by a ZeRO-3 pre-hook on
+parameter shards, which are neither, is not seen. What a hook derives from the module's inputs and
+output (a chunked, concatenated copy to reduce-scatter) counts as them.
+
+The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or
+the ``inner`` function it runs when hooks are registered) tells by its current line whether it is
+calling the module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops with an
+argument autograd tracks (most of a layer's, on its activations) are the layer's without the look;
+the others pay for a few frames up (under a microsecond). The package whose code the hook runs names
+the stack in the error of a replay that still diverges (:func:`stacks_note`): a hook's op on tracked
+tensors that the replay does not run again, which no rule here can tell from the layer's own.
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+import types
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["HookOps", "stacks_note"]
+
+
+def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.CodeType, int]]]:
+    """The code of ``nn.Module.__call__``'s frames, and the (code, line) pairs where they call ``forward``."""
+    outer = nn.Module._call_impl.__code__
+    codes = [outer, *(const for const in outer.co_consts if isinstance(const, types.CodeType))]
+    forward_lines = frozenset(
+        (code, instruction.positions.lineno)
+        for code in codes
+        for instruction in dis.get_instructions(code)
+        if instruction.argval == "forward_call" and instruction.opname.startswith("LOAD")
+        and instruction.positions is not None and instruction.positions.lineno is not None
+    )
+    return frozenset(codes), forward_lines
+
+
+_CALL_CODES, _FORWARD_LINES = _call_frames()
+_GETATTR = nn.Module.__getattr__.__code__
+_WRAPPERS = ("torch._", "torch.utils.", "torch.compiler", "contextlib", "functools")
+"""Modules of the decorators a hook may be wrapped in (``torch.no_grad()``, ``torch.compiler.disable``):
+the stack is named by the first frame below the hook that is none of these."""
+
+
+class HookOps:
+    """Tells, op by op, what a sharding stack runs to gather, release or prefetch parameters (NOTE [Parameter
+    lifecycles are not the layer's program]); one per recording or replay mode. Plain data: the stacks
+    met, and the storages the module hook now running holds of the module's inputs and output
+    (``activations``), with those its ops derived from them (a tensor-parallel hook's ``cat`` of chunks
+    of the output before it reduce-scatters them)."""
+
+    __slots__ = ("activations", "call", "derives", "stacks")
+
+    def __init__(self) -> None:
+        self.stacks: set[str] = set()
+        """The packages whose hooks ran such ops (named in the error of a replay that still diverges)."""
+        self.call: tuple[int, object] | None = None
+        self.activations: set[int] = set()
+        self.derives = False
+
+    def owns(self, args: tuple, collective: bool) -> bool:
+        """Whether the op being dispatched (called with ``args``; ``collective``: it communicates) is a
+        stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` through one
+        method, and :meth:`ran` with the op's output where it answers ``True``."""
+        if torch.is_grad_enabled() and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+            return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
+        frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
+        walked: list[types.FrameType] = []
+        while frame is not None:
+            code = frame.f_code
+            if code is _GETATTR:
+                if not walked:
+                    return False
+                self.stacks.add(_package(walked))
+                self.derives = False
+                return True
+            if code in _CALL_CODES:
+                if not walked or (code, frame.f_lineno) in _FORWARD_LINES:
+                    return False
+                reads_activations = any(storage in self._activations_of(frame) for storage in _storages(args))
+                if collective and reads_activations:
+                    return False
+                self.stacks.add(_package(walked))
+                self.derives = reads_activations
+                return True
+            walked.append(frame)
+            frame = frame.f_back
+        return False
+
+    def ran(self, out: object) -> None:
+        """The stack's op returned ``out``: derived from the module's activations, it is one of them."""
+        if self.derives:
+            self.activations.update(_storages(out))
+
+    def _activations_of(self, call: types.FrameType) -> set[int]:
+        """The storages of the module's inputs and output as ``nn.Module.__call__``'s frame ``call`` holds them
+        (``args``, ``kwargs``, ``result``), and what the hook derived from them so far."""
+        held = call.f_locals
+        key = (id(call), held.get("args"))
+        if self.call is None or self.call[0] != key[0] or self.call[1] is not key[1]:
+            self.call = key
+            self.activations = set(_storages((held.get("args"), held.get("kwargs"), held.get("result"))))
+        return self.activations
+
+
+def _storages(value: object) -> Iterator[int]:
+    """The storages (addresses) of the tensors in ``value``, those inside tensor subclasses (a DTensor's local
+    shard) too."""
+    for leaf in tree_leaves(value):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(leaf):
+            names, _ = leaf.__tensor_flatten__()
+            yield from _storages([getattr(leaf, name) for name in names])
+        else:
+            yield leaf.untyped_storage()._cdata
+
+
+def _package(walked: list[types.FrameType]) -> str:
+    """The package whose code a module hook runs, from the frames between the op (first) and
+    ``nn.Module.__call__`` (last, the hook itself): the first that is no wrapper, from the hook down
+    (``deepspeed``, ``torch.distributed.fsdp``)."""
+    for frame in reversed(walked):
+        name = frame.f_globals.get("__name__", "?")
+        if not name.startswith(_WRAPPERS):
+            parts = name.split(".")
+            return ".".join(parts[:3]) if parts[0] == "torch" else parts[0]
+    return "?"
+
+
+def stacks_note(stacks: Iterable[str]) -> str:
+    """What a divergence error adds where the layer ran a sharding stack's parameter hooks: the stack, and
+    ``mode="full"``, whose replay is not checked op by op."""
+    names = sorted(set(stacks))
+    if not names:
+        return ""
+    return (
+        f" The layer's modules run parameter hooks of {', '.join(names)} (a sharding stack gathering and releasing "
+        "parameters), whose ops hyperac leaves out of the replay; where they still change what the layer runs, "
+        "every layer diverges alike: apply hyperac with mode='full' to this model instead of turning layers off."
+    )
