@@ -26,11 +26,12 @@ method or a ``functools.partial``; and where each random generator found there s
 Objects and hooks of torch and of hyperac itself are left as they are: the planner's profiler hooks
 layers to see every replay run. A replay first puts back every entry that differs from the snapshot (by
 identity, so tensors are never compared by value; generators by state), runs, and then puts back what
-was there before it (the forward's own change, and whatever happened since): the forward changed the
-state once, and the replay read what the forward read. One exception: an attribute the forward turned
-into a sub-module, parameter or buffer (``self.proj = None``, built on the first call) stays the one the
-forward built. The snapshot holds references to the values it saw (no copies) until the region's
-backward is done.
+was there before it, every entry as the replay found it (the forward's own change, and whatever happened
+since: an auxiliary-loss list its parent read and emptied stays empty, also where the replay's snapshot of
+it was empty too): the forward changed the state once, and the replay read what the forward read. One
+exception: an attribute the forward turned into a sub-module, parameter or buffer (``self.proj = None``,
+built on the first call) stays the one the forward built. The snapshot holds references to the values it
+saw (no copies) until the region's backward is done.
 
 Not reached: module-level globals (a hook appending to a global list), class attributes
 (``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak
@@ -420,7 +421,7 @@ class PythonState:
     def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
         self.entries: list[_Entry] = []
         self.seen: set[int] = set()
-        self.displaced: list[list[tuple[Any, Any]]] = []
+        self.found: list[list[tuple[_Entry, Any]]] = []
         own = list(modules)
         self.seen.update(map(id, own))
         found: list[nn.Module] = []
@@ -529,18 +530,22 @@ class PythonState:
             self.entries.append(contents)
 
     def put_back(self) -> list[tuple[Any, Any]]:
-        """Make the state what it was when this snapshot was taken; returns what it displaced."""
-        displaced = []
-        for entry in self.entries:
-            now = entry.now()
-            if now is not entry.values and (type(entry) is _Cell or not _same(now, entry.values)):
-                displaced.append((entry, now))
+        """Make the state what it was when this snapshot was taken; returns each entry with the state it
+        had just before (what a replay leaves behind)."""
+        found = [(entry, entry.now()) for entry in self.entries]
+        for entry, now in found:
+            if _differs(now, entry.values, entry):
                 entry.put(entry.values)
-        return displaced
+        return found
 
     def __enter__(self) -> None:
-        self.displaced.append(self.put_back())
+        self.found.append(self.put_back())
 
     def __exit__(self, *exc: Any) -> None:
-        for entry, value in reversed(self.displaced.pop()):
-            entry.put(value)
+        for entry, value in reversed(self.found.pop()):
+            if _differs(entry.now(), value, entry):
+                entry.put(value)
+
+
+def _differs(now: Any, then: Any, entry: _Entry) -> bool:
+    return now is not then and (type(entry) is _Cell or not _same(now, then))
