@@ -48,9 +48,11 @@ sub-module on its first call runs ops its replay does not: ``full`` is exact, th
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import pickle
 import random
+import struct
 import sys
 import types
 import weakref
@@ -376,28 +378,155 @@ class _Generator(_Entry):
     """Where a random generator the layer reaches stands: a ``torch.Generator``
     (``torch.bernoulli(x, generator=self.g)``), a ``random.Random``, a numpy ``RandomState`` or
     ``Generator``, and the global ones behind ``random.random()`` and ``np.random.rand()``. Its state is
-    kept in a form compared by value (bytes, or Python's own state tuple) and set back exactly."""
+    kept in a form compared by value (bytes, or Python's own state tuple) and set back exactly; read
+    as bytes where its layout allows (NOTE [Generators read as bytes])."""
 
     __slots__ = ()
 
     def now(self) -> Any:
         target = self.target
-        if type(target) is torch.Generator:
+        kind = type(target)
+        if kind is torch.Generator:
             return target.get_state().numpy().tobytes()
+        if kind is random.Random and _twister_bytes_readable():
+            return _TwisterState(_twister_bytes(target), target.gauss_next)
         if isinstance(target, random.Random):
             return target.getstate()
+        bits = _legacy_twister(target)
+        if bits is not None:
+            return _LegacyNumpyState(_numpy_bytes(target, bits, _numpy_gauss_at(kind)))
         return pickle.dumps(target.bit_generator.state if hasattr(target, "bit_generator") else target.get_state())
 
     def put(self, state: Any) -> None:
         target = self.target
         if type(target) is torch.Generator:
             target.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        elif type(state) is _TwisterState:
+            target.setstate(state.python_state())
         elif isinstance(target, random.Random):
             target.setstate(state)
+        elif type(state) is _LegacyNumpyState:
+            target.set_state(state.numpy_state())
         elif hasattr(target, "bit_generator"):
             target.bit_generator.state = pickle.loads(state)
         else:
             target.set_state(pickle.loads(state))
+
+
+# NOTE [Generators read as bytes]
+# Python's and numpy's global generators are reached by every layer, and their state APIs build it
+# anew at each read (``random.getstate()`` a tuple of 625 ints; numpy's ``get_state()`` copies its key
+# word by word, a few hundred microseconds, and was pickled to compare): most of the Python state's
+# cost, three times per layer invocation. Both are Mersenne Twisters whose state is 2,500 bytes in one
+# place: CPython's ``random.Random`` holds its index and 624 words right after the object header,
+# numpy's MT19937 publishes the address of its key and position (``bit_generator.ctypes.state_address``).
+# hyperac reads those bytes (a copy, compared by value: exact), with what else a draw can change: Python's
+# ``gauss_next`` (an attribute), and numpy's cached Gaussian (``has_gauss`` and ``gauss`` of a
+# ``RandomState``, which a legacy Gaussian draw takes without moving the key), found in the object where
+# probes put a known value. Each layout is probed once against the generator's own state API (as NOTE
+# [Every private torch piece] in _compat.py does for torch's): where a Python or numpy build lays them
+# out otherwise, the state APIs are read as before. A read is then a copy of 2.5 KB, and a put back
+# (rare: only where a draw moved it) goes through the state API.
+
+_TWISTER_BYTES = 4 + 624 * 4
+"""A Mersenne Twister's index (or position) and its 624 32-bit words."""
+
+
+@functools.cache
+def _twister_bytes_readable() -> bool:
+    """Whether a ``random.Random``'s state is the 2,500 bytes after its object header, checked on a probe."""
+    base = random.Random.__mro__[1]
+    if sys.implementation.name != "cpython" or base.__basicsize__ < object.__basicsize__ + _TWISTER_BYTES:
+        return False
+    probe = random.Random(12345)
+    probe.random()
+    return _TwisterState(_twister_bytes(probe), None).python_state() == probe.getstate()
+
+
+def _twister_bytes(generator: random.Random) -> bytes:
+    return ctypes.string_at(id(generator) + object.__basicsize__, _TWISTER_BYTES)
+
+
+class _TwisterState:
+    """A ``random.Random``'s state as its bytes and ``gauss_next``, compared by value."""
+
+    __slots__ = ("gauss_next", "words")
+
+    def __init__(self, words: bytes, gauss_next: float | None) -> None:
+        self.words, self.gauss_next = words, gauss_next
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is _TwisterState and self.words == other.words
+                and self.gauss_next == other.gauss_next)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def python_state(self) -> tuple[int, tuple[int, ...], float | None]:
+        index, *words = struct.unpack(f"=i{len(self.words) // 4 - 1}I", self.words)
+        return 3, (*words, index), self.gauss_next
+
+
+def _legacy_twister(target: Any) -> Any:
+    """The MT19937 bit generator of a numpy ``RandomState`` whose state is readable as bytes, else None."""
+    bits = getattr(target, "_bit_generator", None)
+    kind = type(target)
+    if type(bits).__name__ != "MT19937" or kind.__name__ != "RandomState" or _numpy_gauss_at(kind) is None:
+        return None
+    return bits
+
+
+@functools.cache
+def _numpy_gauss_at(kind: type) -> int | None:
+    """Where a numpy ``RandomState`` (``kind``) keeps ``has_gauss`` (an int, then at 8 bytes further the
+    cached Gaussian, a double) in its object, found on probes and checked against ``get_state()``, with its
+    MT19937 state readable at ``ctypes.state_address``; None where not so (NOTE [Generators read as bytes])."""
+    size = kind.__basicsize__
+    probes = [kind(seed) for seed in (1, 2)]
+    found: set[int] | None = None
+    try:
+        for probe in probes:
+            probe.standard_normal()  # leaves a cached Gaussian
+            state = probe.get_state()
+            memory = ctypes.string_at(id(probe), size)
+            gauss = struct.pack("=d", state[4])
+            at = {offset for offset in range(object.__basicsize__, size - 16 + 1, 8)
+                  if memory[offset + 8:offset + 16] == gauss and struct.unpack_from("=i", memory, offset)[0] == 1}
+            found = at if found is None else found & at
+        if found is None or len(found) != 1:
+            return None
+        offset = found.pop()
+        for probe in probes:
+            if _numpy_bytes(probe, probe._bit_generator, offset) != _numpy_expected(probe.get_state()):
+                return None
+            probe.standard_normal()  # takes the cached Gaussian
+            if _numpy_bytes(probe, probe._bit_generator, offset) != _numpy_expected(probe.get_state()):
+                return None
+    except (AttributeError, TypeError, ValueError, struct.error):
+        return None
+    return offset
+
+
+def _numpy_bytes(target: Any, bits: Any, gauss_at: int) -> bytes:
+    """A ``RandomState``'s MT19937 key and position, then its ``has_gauss`` and cached Gaussian."""
+    cached = ctypes.string_at(id(target) + gauss_at, 16)
+    return ctypes.string_at(bits.ctypes.state_address, _TWISTER_BYTES) + cached[:4] + cached[8:]
+
+
+def _numpy_expected(state: tuple) -> bytes:
+    _, key, position, has_gauss, gauss = state
+    return key.astype("=u4").tobytes() + struct.pack("=iid", position, has_gauss, gauss)
+
+
+class _LegacyNumpyState(bytes):
+    """A numpy ``RandomState``'s state as the bytes :func:`_numpy_bytes` reads (compared by value)."""
+
+    __slots__ = ()
+
+    def numpy_state(self) -> tuple:
+        numpy = sys.modules["numpy"]
+        key = numpy.frombuffer(self, dtype="=u4", count=624).copy()
+        position, has_gauss = struct.unpack_from("=ii", self, _TWISTER_BYTES - 4)
+        return "MT19937", key, position, has_gauss, struct.unpack_from("=d", self, _TWISTER_BYTES + 4)[0]
 
 
 def _is_generator(value: Any) -> bool:

@@ -199,20 +199,28 @@ def test_a_hook_object_records_each_forward_once_and_a_borrowed_norm_counts_each
 
 
 class GlobalDraws(nn.Module):
-    """Scales by draws from Python's and numpy's global generators (``random.random()``, ``np.random.rand()``)."""
+    """Scales by draws from Python's and numpy's global generators (``random.random()``, ``np.random.rand()``),
+    or by Gaussian draws (``random.gauss``, ``np.random.randn()``), which come in pairs: every second layer
+    takes the Gaussian its generator cached, moving nothing but the cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, gaussian: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(D, D)
+        self.gaussian = gaussian
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         numpy = pytest.importorskip("numpy")
-        scale = random.random() + float(numpy.random.rand())  # drawn before the last saved op: the replay draws
+        if self.gaussian:
+            scale = random.gauss(0, 1) + float(numpy.random.randn())
+        else:
+            scale = random.random() + float(numpy.random.rand())  # drawn before the last saved op: the replay draws
         return torch.tanh(self.linear(x) * scale)
 
 
+@pytest.mark.parametrize("gaussian", [False, True])
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
-def test_draws_from_the_global_python_and_numpy_generators_are_replayed_and_leave_them_where_the_forward_did(mode):
+def test_draws_from_the_global_python_and_numpy_generators_are_replayed_and_leave_them_where_the_forward_did(
+        mode, gaussian):
     numpy = pytest.importorskip("numpy")
 
     def seeded_train(model: nn.Module) -> tuple[list, tuple, float]:
@@ -221,7 +229,7 @@ def test_draws_from_the_global_python_and_numpy_generators_are_replayed_and_leav
         return train(model, "plain", _input), random.getstate(), numpy.random.rand()
 
     torch.manual_seed(0)
-    model = Stack([GlobalDraws() for _ in range(2)])
+    model = Stack([GlobalDraws(gaussian) for _ in range(3)])
     expected, python_state, numpy_draw = seeded_train(copy.deepcopy(model))
     hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
     actual, applied_python_state, applied_numpy_draw = seeded_train(model)
