@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import operator
 import pickle
 import random
 import struct
@@ -173,6 +174,25 @@ def _items_of(value: Any) -> Iterable[Any]:
     return [item for item in items if type(item) not in _ATOMS]
 
 
+def _held_leaves(value: Any, leaves: list[Any]) -> list[Any]:
+    """The leaves of ``value`` (as ``tree_leaves`` finds them) that may hold Python state: not tensors,
+    numbers or strings; appended to ``leaves``. Tuples, lists and dicts are looked through here (the
+    usual arguments, without pytree's per-leaf cost), other containers by ``tree_leaves``."""
+    kind = type(value)
+    if kind in _ATOMS or issubclass(kind, torch.Tensor):
+        return leaves
+    if kind is tuple or kind is list:
+        for item in value:
+            _held_leaves(item, leaves)
+    elif kind is dict:
+        for item in value.values():
+            _held_leaves(item, leaves)
+    else:
+        leaves.extend(leaf for leaf in tree_leaves(value)
+                      if type(leaf) not in _ATOMS and not issubclass(type(leaf), torch.Tensor))
+    return leaves
+
+
 def _users(hook: Callable[..., Any]) -> bool:
     """Whether ``hook`` is the user's: not a function or object of torch's or hyperac's (``_WATCHERS``),
     seen through ``functools.partial`` and bound methods."""
@@ -230,10 +250,11 @@ def _contents(value: Any) -> Any:
 
 def _same(first: Any, second: Any) -> bool:
     """Equal shallow contents, compared by identity."""
-    if type(first) is dict:
-        return first.keys() == second.keys() and all(first[key] is second[key] for key in first)
+    if type(first) is dict:  # in the same order (else they read as changed, and are set back: no harm)
+        return (len(first) == len(second) and all(map(operator.is_, first.values(), second.values()))
+                and all(map(operator.is_, first, second)))
     if type(first) in (list, collections.deque):
-        return len(first) == len(second) and all(a is b for a, b in zip(first, second))
+        return len(first) == len(second) and all(map(operator.is_, first, second))
     return first == second
 
 
@@ -255,13 +276,18 @@ class _Entry:
 
 
 class _Attributes(_Entry):
-    """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity."""
+    """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity. Read as a
+    copy of the whole ``__dict__`` (one C call; the bookkeeping's objects stay the same ones, so they
+    compare as unchanged) and set back without the bookkeeping."""
 
     __slots__ = ()
 
     def now(self) -> dict[str, Any]:
-        state = self.target.__dict__
-        return {name: state[name] for name in state.keys() - _MODULE_BOOKKEEPING}
+        return self.target.__dict__.copy()
+
+    def own(self) -> list[Any]:
+        """The values of the attributes the snapshot restores."""
+        return [value for name, value in self.values.items() if name not in _MODULE_BOOKKEEPING]
 
     def put(self, values: dict[str, Any]) -> None:
         """Set the attributes to ``values``, but for a name the forward has since made a sub-module,
@@ -271,7 +297,8 @@ class _Attributes(_Entry):
         for name in state.keys() - _MODULE_BOOKKEEPING - values.keys():
             del state[name]
         registered = state["_modules"].keys() | state["_parameters"].keys() | state["_buffers"].keys()
-        state.update((name, value) for name, value in values.items() if name not in registered)
+        state.update((name, value) for name, value in values.items()
+                     if name not in registered and name not in _MODULE_BOOKKEEPING)
 
 
 class _Hooks(_Entry):
@@ -284,6 +311,8 @@ class _Hooks(_Entry):
 
     def now(self) -> tuple[tuple[str, int, Any, tuple[bool, ...]], ...]:
         module = self.target
+        if not (module._forward_pre_hooks or module._forward_hooks):
+            return ()
         return tuple((table, key, hook, tuple(key in getattr(module, flag) for flag in flags))
                      for table, flags in _HOOK_TABLES.items()
                      for key, hook in getattr(module, table).items() if _users(hook))
@@ -555,9 +584,7 @@ class PythonState:
         self.seen.update(map(id, own))
         found: list[nn.Module] = []
         walked: set[int] = set()  # what the search for modules looked through
-        for leaf in tree_leaves((args, kwargs)):
-            if issubclass(type(leaf), torch.Tensor):
-                continue
+        for leaf in _held_leaves((args, kwargs), []):
             found.extend(_modules_in(leaf, walked))
             self._add_deep(leaf)
         for module in own:
@@ -579,12 +606,12 @@ class PythonState:
         its hook tables and what its hooks hold; returns the modules among its attributes."""
         attributes = _Attributes(module)
         self.entries.append(attributes)
-        parameters = tuple(module.parameters(recurse=False))
+        parameters = tuple(parameter for parameter in module._parameters.values() if parameter is not None)
         if parameters:
             self.entries.append(_RequiresGrad(parameters))
         self.entries.append(_Hooks(module))
         held = []
-        for value in attributes.values.values():
+        for value in attributes.own():
             held.extend(_modules_in(value, walked))
             self._add_deep(value)
         for value in _hook_holders((*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
@@ -613,7 +640,7 @@ class PythonState:
             self.seen.add(id(value))
             attributes = _Attributes(value)
             self.entries.append(attributes)
-            for item in attributes.values.values():
+            for item in attributes.own():
                 self._add_deep(item)
         else:
             self._add_deep(value)
