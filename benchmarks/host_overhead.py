@@ -17,7 +17,8 @@ batch 2 x 16 tokens) and, to show it is host time and not FLOPs, at a compute-bo
 
 Each round runs every configuration once, in a shuffled order, an untimed step before each timed one;
 the report is the median over rounds of each comparison's per-round ratio and of its per-round
-difference per layer (``extra us/layer``). Times are the thread's CPU time (``time.thread_time_ns``), so
+difference per layer (``extra us/layer``), with PASS/FAIL against issue 33's targets at the host-bound
+geometry (exit status 1 on a FAIL). Times are the thread's CPU time (``time.thread_time_ns``), so
 a loaded machine inflates them less than wall time; ``--clock wall`` for wall time.
 
 ``--breakdown`` then runs each hyperac mode for a few steps with every mechanism wrapped in a timer
@@ -118,16 +119,38 @@ def rounds(models: dict[str, nn.Module], ids: torch.Tensor, count: int, clock: C
     return samples
 
 
-def report(label: str, samples: dict[str, list[float]], count: int) -> None:
+TARGET = 1.05
+"""Issue 33's bound at the host-bound geometry: ``full`` within 1.05x of the worse of HF's and torchtitan's full,
+the selective modes within 1.05x of torchtitan's selective, each plus the run's control noise (``off / none``)."""
+TARGETED = {"full": ("hf-full", "titan-full"), "selective": ("titan-sel",), "selective-even": ("titan-sel",),
+            "pointwise": ("titan-sel",)}
+
+
+def report(label: str, samples: dict[str, list[float]], count: int) -> dict[str, float]:
     print(f"{label}: {count} rounds, threads={torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}, "
           f"torch {torch.__version__}")
     print(f"  {'hyperac / peer':28s} {'ratio':>7s} {'extra us/layer':>15s} {'hyperac step ms':>16s} "
           f"{'peer step ms':>13s}")
+    medians = {}
     for mine, theirs in COMPARISONS:
         ratios = [a / b for a, b in zip(samples[mine], samples[theirs])]
         extra = [(a - b) / LAYERS for a, b in zip(samples[mine], samples[theirs])]
         print(f"  {mine + ' / ' + theirs:28s} {statistics.median(ratios):7.3f} {statistics.median(extra):15.0f} "
               f"{statistics.median(samples[mine]) / 1e3:16.2f} {statistics.median(samples[theirs]) / 1e3:13.2f}")
+        medians[f"{mine} / {theirs}"] = statistics.median(ratios)
+    return medians
+
+
+def check(medians: dict[str, float]) -> bool:
+    """PASS/FAIL per targeted mode at the host-bound geometry (:data:`TARGET` plus the control's noise)."""
+    bound = TARGET + abs(medians["off / none"] - 1)
+    passed = True
+    for mode, theirs in TARGETED.items():
+        ratio = max(medians[f"{mode} / {peer}"] for peer in theirs)
+        verdict = "PASS" if ratio <= bound else "FAIL"
+        passed &= verdict == "PASS"
+        print(f"  {verdict} {mode}: x{ratio:.3f} of {' and '.join(theirs)} (target <= {bound:.3f})")
+    return passed
 
 
 # --- the breakdown by mechanism -----------------------------------------------------------------------------
@@ -160,6 +183,7 @@ class Timers:
 
 _HOOK_LABELS = (
     ("torch.utils.checkpoint", "hook: torch checkpoint's own (reference)"),
+    ("hyperac.region_saves", "hook: the region's pair (fingerprint, fake filter, re-read)"),
     ("hyperac.replay_check", "hook: replay fingerprint"),
     ("hyperac.freed_saves", "hook: freed-saves watch"),
     ("hyperac.higher_order", "hook: fake-tensor filter"),
@@ -256,16 +280,19 @@ def main() -> int:
     a = parser.parse_args()
     torch.set_num_threads(1)
     clock = time.thread_time_ns if a.clock == "thread" else time.perf_counter_ns
+    passed = True
     for name in GEOMETRIES if a.geometry == "both" else (a.geometry,):
         geometry = GEOMETRIES[name]
         base, ids = build(geometry)
         models = configurations(base)
         label = (f"{name}-bound: tiny Llama, {LAYERS} layers, hidden {geometry['hidden']}, batch {BATCH} x "
                  f"{geometry['seq']} tokens, {a.clock} time")
-        report(label, rounds(models, ids, a.rounds, clock), a.rounds)
-        if a.breakdown and name == "host":
-            breakdown(models, ids, a.breakdown_steps, clock)
-    return 0
+        medians = report(label, rounds(models, ids, a.rounds, clock), a.rounds)
+        if name == "host":
+            passed = check(medians)
+            if a.breakdown:
+                breakdown(models, ids, a.breakdown_steps, clock)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
