@@ -133,8 +133,8 @@ class _Fingerprint:
 
 
 class _Hooked:
-    """Sees each tensor saved for backward while entered, through the region's hook pair (region_saves.py,
-    NOTE [One hook pair per region]), which takes it with :func:`armed_check` as the region starts."""
+    """Sees each tensor saved for backward while entered, through the region's hook pair (NOTE [One hook
+    pair per region] in region_saves.py), which takes it with :func:`armed_check` as the region starts."""
 
     def __init__(self, fingerprint: _Fingerprint) -> None:
         self.fingerprint = fingerprint
