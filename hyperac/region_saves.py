@@ -85,4 +85,6 @@ class RegionSaves:
 def _unpack(frame: Any, unpack: Callable[[Any], torch.Tensor], saved: Any) -> torch.Tensor:
     if type(saved) is _Fake:
         return saved.tensor
-    return unpack(saved) if frame is None else read_again(frame, unpack, saved)
+    if frame is None or None not in saved.handles.values():  # read by no backward yet: a first read
+        return unpack(saved)
+    return read_again(frame, unpack, saved)

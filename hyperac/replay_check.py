@@ -159,7 +159,7 @@ class _Hooked:
                 maker = "a reshape"
             elif maker == "ToCopyBackward0":
                 maker = _maker(tensor, self.first)
-        self._saved((maker, tuple(tensor.shape), tensor.dtype))
+        self._saved((maker, tensor.shape, tensor.dtype))
 
     def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
         raise NotImplementedError
