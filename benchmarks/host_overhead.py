@@ -183,11 +183,11 @@ class Timers:
 
 _HOOK_LABELS = (
     ("torch.utils.checkpoint", "hook: torch checkpoint's own (reference)"),
-    ("hyperac.region_saves", "hook: the region's pair (fingerprint, fake filter, re-read)"),
-    ("hyperac.replay_check", "hook: replay fingerprint"),
-    ("hyperac.freed_saves", "hook: freed-saves watch"),
+    ("hyperac.replay.region_saves", "hook: the region's pair (fingerprint, fake filter, re-read)"),
+    ("hyperac.replay.replay_check", "hook: replay fingerprint"),
+    ("hyperac.replay.freed_saves", "hook: freed-saves watch"),
     ("hyperac.higher_order", "hook: fake-tensor filter"),
-    ("hyperac.reread", "hook: re-read"),
+    ("hyperac.replay.reread", "hook: re-read"),
     ("hyperac.policy", "hook: selective saves"),
     ("hyperac.swap", "hook: swap"),
     ("hyperac", "hook: other hyperac"),
@@ -204,20 +204,20 @@ def _hook_label(hook: Any) -> str:
 
 # (module path, attribute path, label): the Python-level pieces of a region invocation, timed where found.
 _PIECES = (
-    ("hyperac.python_state", "PythonState.__init__", "python state: snapshot"),
-    ("hyperac.python_state", "PythonState.__enter__", "python state: put back (replay start)"),
-    ("hyperac.python_state", "PythonState.__exit__", "python state: put back (replay end)"),
-    ("hyperac.replay_context", "ForwardContext.__init__", "forward context"),
-    ("hyperac.replay_context", "ForwardContext.__enter__", "forward context"),
-    ("hyperac.replay_context", "ForwardContext.__exit__", "forward context"),
-    ("hyperac.buffers", "BufferSnapshots.__call__", "buffers"),
-    ("hyperac.buffers", "buffers_as_before", "buffers"),
+    ("hyperac.replay.python_state", "PythonState.__init__", "python state: snapshot"),
+    ("hyperac.replay.python_state", "PythonState.__enter__", "python state: put back (replay start)"),
+    ("hyperac.replay.python_state", "PythonState.__exit__", "python state: put back (replay end)"),
+    ("hyperac.replay.replay_context", "ForwardContext.__init__", "forward context"),
+    ("hyperac.replay.replay_context", "ForwardContext.__enter__", "forward context"),
+    ("hyperac.replay.replay_context", "ForwardContext.__exit__", "forward context"),
+    ("hyperac.replay.buffers", "BufferSnapshots.__call__", "buffers"),
+    ("hyperac.replay.buffers", "buffers_as_before", "buffers"),
     ("hyperac.policy", "_RecordingMode.__torch_dispatch__", "selective mode: record (incl. ops)"),
     ("hyperac.policy", "_ReplayMode.__torch_dispatch__", "selective mode: replay (incl. ops)"),
     ("torch.utils.checkpoint", "_CachingTorchDispatchMode.__torch_dispatch__", "selective mode: record (incl. ops)"),
     ("torch.utils.checkpoint", "_CachedTorchDispatchMode.__torch_dispatch__", "selective mode: replay (incl. ops)"),
     ("hyperac.recompute", "RecomputeContext.__call__", "region: contexts built"),
-    ("hyperac.freed_saves", "FreedSaves.__call__", "region: contexts built"),
+    ("hyperac.replay.freed_saves", "FreedSaves.__call__", "region: contexts built"),
 )
 
 

@@ -340,8 +340,8 @@ class _ReadTwice(torch.autograd.Function):
 
 
 def _read_twice_in_a_region(frames: list[Any], x: torch.Tensor) -> torch.Tensor:
-    from .region_saves import RegionSaves
-    from .reread import checkpoint_frame
+    from .replay.region_saves import RegionSaves
+    from .replay.reread import checkpoint_frame
 
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     frames.append(None if hooks is None else checkpoint_frame(hooks[1]))

@@ -59,8 +59,8 @@ from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
 from .op_identity import communicates, key_length
-from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
-from .replay_check import cast_of_a_leaf, divergence
+from .replay.random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
+from .replay.replay_check import cast_of_a_leaf, divergence
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "weighing_attention_at"]
 

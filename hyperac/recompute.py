@@ -49,10 +49,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ._compat import SAC_CHECKPOINT_KWARGS
 from ._hf import CACHE_KWARGS
 from .backends import Backend
-from .buffers import BufferSnapshots, buffers_as_before
 from .config import KNAPSACK_MODES, SELECTIVE_MODES
 from .errors import InputWrittenError, UnsupportedModelError, warn_once
-from .freed_saves import FreedSaves
 from .policy import (
     OpSets,
     bypass_replay,
@@ -61,11 +59,13 @@ from .policy import (
     resolve_op_sets,
     selective_contexts,
 )
-from .python_state import PythonState
-from .random_sources import TrackerReplay, rng_states, set_rng_states
-from .region_saves import RegionSaves
-from .replay_check import full_replay_contexts
-from .replay_context import ForwardContext
+from .replay.buffers import BufferSnapshots, buffers_as_before
+from .replay.freed_saves import FreedSaves
+from .replay.python_state import PythonState
+from .replay.random_sources import TrackerReplay, rng_states, set_rng_states
+from .replay.region_saves import RegionSaves
+from .replay.replay_check import full_replay_contexts
+from .replay.replay_context import ForwardContext
 from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 

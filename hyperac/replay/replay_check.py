@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from .errors import RecomputeMismatchError
+from ..errors import RecomputeMismatchError
 
 __all__ = ["armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts"]
 
