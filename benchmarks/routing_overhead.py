@@ -1,4 +1,4 @@
-"""Per-step cost of keeping routes in ``full`` mode (NOTE [Routing is kept] in hyperac/routing.py).
+"""Per-step cost of keeping routes in ``full`` mode (NOTE [Routing is kept] in hyperac/replay/routing.py).
 
 ``full`` keeps, on a layer whose first training forward ran a routing op (an MoE router's ``topk``), a
 copy of each routing op's output, watched for by a dispatch mode over the layer's forward and replay; a
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 import hyperac
-from hyperac.buffers import BufferSnapshots
 from hyperac.recompute import RecomputedForward
+from hyperac.replay.buffers import BufferSnapshots
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hyperac_testing import lm_loss, tiny_mixtral, tiny_qwen2, train_step  # noqa: E402

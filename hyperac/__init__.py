@@ -31,7 +31,7 @@ if TYPE_CHECKING:
         UnsupportedModelError,
     )
     from .plan import LayerPlan, Plan
-    from .random_sources import RNGTracker, register_rng_tracker, unregister_rng_tracker
+    from .replay.random_sources import RNGTracker, register_rng_tracker, unregister_rng_tracker
     from .swap import SwapStats
 
 # NOTE [Lazy package]: `import hyperac` imports no torch. Each public name is imported from its
@@ -45,7 +45,7 @@ _PUBLIC = {
     "errors": ("BackendUnavailableError", "ConfigError", "HyperACError", "HyperACWarning", "InputWrittenError",
                "RankFailedError", "RecomputeMismatchError", "TorchVersionError", "UnsupportedModelError"),
     "plan": ("LayerPlan", "Plan"),
-    "random_sources": ("RNGTracker", "register_rng_tracker", "unregister_rng_tracker"),
+    "replay.random_sources": ("RNGTracker", "register_rng_tracker", "unregister_rng_tracker"),
     "swap": ("SwapStats",),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}

@@ -340,11 +340,12 @@ class _ReadTwice(torch.autograd.Function):
 
 
 def _read_twice_in_a_region(frames: list[Any], x: torch.Tensor) -> torch.Tensor:
-    from .reread import Reread, checkpoint_frame
+    from .replay.region_saves import RegionSaves
+    from .replay.reread import checkpoint_frame
 
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     frames.append(None if hooks is None else checkpoint_frame(hooks[1]))
-    with Reread():
+    with RegionSaves(replaying=False):
         return _ReadTwice.apply(x.exp())
 
 

@@ -35,7 +35,6 @@ from .planner.compiled import compiled_auto_modes
 from .planner.group import ALONE, PlanGroup, plan_group
 from .planner.head import head_auto_modes
 from .policy import OpSets, resolve_op_sets
-from .random_sources import check_trackers_registered
 from .recompute import (
     build_context_fn,
     install_exclusion,
@@ -44,6 +43,7 @@ from .recompute import (
     install_recompute,
     install_swap,
 )
+from .replay.random_sources import check_trackers_registered
 from .state import STATE_KEY, AppliedState, find_owned, install_hook, undo
 from .swap import LayerSwap, SwapManager, SwapStats, default_host_budget
 

@@ -312,7 +312,7 @@ class Config:
     Listed matmuls alternate as usual (``pointwise``: all kept), unlisted ones are recomputed, as
     is every other unlisted op but collectives, which are kept listed or not (a replayed collective
     would run on one rank only: NOTE [Collectives by their schema] in op_identity.py), and routes,
-    kept unlisted too (NOTE [Routing is kept] in routing.py)."""
+    kept unlisted too (NOTE [Routing is kept] in replay/routing.py)."""
 
     force_recompute: Any = ()
     """Selective modes: modules inside each layer whose ops keep nothing, named relative to the
@@ -320,7 +320,7 @@ class Config:
     not count in the alternation (torchtitan's ``force_recompute_mm_shapes_by_fqns``, by module
     rather than by weight shape, so a matmul of the same shape elsewhere is not affected). A name
     that matches no module inside a selective layer is an error. A router named here gives up
-    routes taken from the forward (NOTE [Routing is kept] in routing.py): its ``topk`` runs again."""
+    routes taken from the forward (NOTE [Routing is kept] in replay/routing.py): its ``topk`` runs again."""
 
     group: Any = None
     """``mode="auto"`` where ``torch.distributed`` is initialised: the process group that plans

@@ -84,8 +84,9 @@ and q/k/v's where the score function's own ops save tensors (Gemma 2's ``tanh`` 
 are exact with a score function that saves nothing, which hid the bug. The selective modes saw the
 nested recompute and raised ``RecomputeMismatchError``. Plain ``torch.utils.checkpoint`` has the same
 bug; compiled flex attention traces at compile time, outside any region, and never had it.
-A fake tensor holds no data and is no activation, so inside a recomputed region and a swap group
-(:class:`FakeTensorsKept`, entered innermost) every fake tensor saved stays out of the region's hooks,
+A fake tensor holds no data and is no activation, so inside a recomputed region (its one hook pair,
+region_saves.py) and a swap group (:class:`FakeTensorsKept`, entered innermost) every fake tensor saved
+stays out of the region's hooks,
 and every real tensor goes to them as before: the forward and the recompute save the same real
 tensors, in the same order, and the trace's backward reads its own tensors. A fake is kept as an
 alias made by ``detach`` under the tracer's modes (so ``make_fx`` records it), not as itself: a fake

@@ -18,7 +18,7 @@ the rest:
   [Collectives by their schema] in op_identity.py);
 * what decides a data-dependent route (an MoE router's ``topk``, ``sort``, ``argmax``, ``nonzero``,
   ``bincount``, ``histc``, ``.item()``) is kept in every mode and never run again, so the replay routes
-  as its forward did (NOTE [Routing is kept] in routing.py); a router that writes into its ``topk``
+  as its forward did (NOTE [Routing is kept] in replay/routing.py); a router that writes into its ``topk``
   output in place is given the value ``topk`` returned (NOTE [Writes into kept outputs]);
 * higher-order ops (flex attention, a compiled region called from an eager layer, control flow, a
   user's own) reach the recording and replay modes as one op each, with a rule per op: flex attention
@@ -64,8 +64,8 @@ from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
 from .lifecycle import HookOps, stacks_note
 from .op_identity import communicates, key_length
-from .random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
-from .replay_check import cast_of_a_leaf, divergence
+from .replay.random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
+from .replay.replay_check import cast_of_a_leaf, divergence
 
 __all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "routing_ops", "weighing_attention_at"]
 
@@ -82,7 +82,7 @@ _ROUTING_OPS = (
 """Ops whose output decides a data-dependent route: which experts a token goes to, in what order, how many
 tokens each expert gets (the split sizes of an expert-parallel all-to-all), a value read to the host
 (``.item()``; ``.tolist()`` reads memory without an op, so a count is kept where it is made). Kept in
-every mode (NOTE [Routing is kept] in routing.py)."""
+every mode (NOTE [Routing is kept] in replay/routing.py)."""
 _KEY_SEQUENCE_DIMS = {
     "aten::_scaled_dot_product_flash_attention": -2,
     "aten::_scaled_dot_product_flash_attention_for_cpu": -2,
@@ -135,7 +135,7 @@ def _all_overloads(qualified_names: tuple[str, ...]) -> frozenset:
 # What an op is to a policy. The recording and replay modes look each op up once per call, in a
 # per-OpSets table keyed by ``id(op)`` (hashing an OpOverload runs Python code; an int does not).
 # ``_ROUTE``: kept unless inside a module of ``Config.force_recompute``, never pruned, handed to every
-# replay (NOTE [Routing is kept] in routing.py). ``_ONCE``: higher-order ops kept in every recording mode
+# replay (NOTE [Routing is kept] in replay/routing.py). ``_ONCE``: higher-order ops kept in every recording mode
 # and never replayed, as collectives are, unless they wrote into their inputs (NOTE [Higher-order
 # operators] in higher_order.py).
 _OTHER, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _ROUTE, _COLLECTIVE, _ONCE = range(8)
@@ -150,7 +150,7 @@ class OpSets:
     matmul: frozenset
     keep: frozenset
     routing: frozenset
-    """The ops that decide a data-dependent route, kept in every mode (NOTE [Routing is kept] in routing.py)."""
+    """The ops that decide a data-dependent route, kept in every mode (NOTE [Routing is kept] in replay/routing.py)."""
     ignored: frozenset
     communication: frozenset = frozenset()
     """The collectives the backend names (those whose schema takes no group); with every op whose
@@ -168,7 +168,7 @@ class OpSets:
         # it exists).
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "table", types.MappingProxyType(self._cache))
-        # ``id`` of each routing op, for the ``full`` mode's routing modes (routing.py); stable, as the
+        # ``id`` of each routing op, for the ``full`` mode's routing modes (replay/routing.py); stable, as the
         # set holds the ops.
         object.__setattr__(self, "routing_ids", frozenset(id(op) for op in self.routing))
 
@@ -217,7 +217,7 @@ class OpSets:
 
 
 def routing_ops() -> frozenset:
-    """The overloads of the ops that decide a data-dependent route (NOTE [Routing is kept] in routing.py)."""
+    """The overloads of the ops that decide a data-dependent route (NOTE [Routing is kept] in replay/routing.py)."""
     return _all_overloads(_ROUTING_OPS)
 
 
@@ -396,7 +396,7 @@ class SelectivePolicy:
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         """The decision for ``op`` in PyTorch's policy-function form. Routes are recomputed here: a region
         the compiler splits at a graph break runs PyTorch's eager selective checkpoint, which refuses a
-        router's in-place write into a cached ``topk`` output (NOTE [Routing is kept] in routing.py)."""
+        router's in-place write into a cached ``topk`` output (NOTE [Routing is kept] in replay/routing.py)."""
         kind = self.ops.classify(op)[0]
         if kind == _ROUTE:
             return CheckpointPolicy.MUST_RECOMPUTE
@@ -433,7 +433,7 @@ class _Kept:
         """The shapes of the op's tensor arguments in forward, which the replay's must equal
         (NOTE [Kept outputs that no longer fit])."""
         self.lasting = lasting
-        """A route: handed to every replay, as a copy, rather than once (NOTE [Routing is kept] in routing.py)."""
+        """A route: handed to every replay, as a copy, rather than once (NOTE [Routing is kept] in replay/routing.py)."""
         self.written = written or {}
         """Output leaf position -> position among the op's argument leaves of the tensor it is (a
         collective that writes into its arguments; NOTE [Collectives that write into their arguments])."""

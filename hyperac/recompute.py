@@ -49,11 +49,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ._compat import SAC_CHECKPOINT_KWARGS
 from ._hf import CACHE_KWARGS
 from .backends import Backend
-from .buffers import BufferSnapshots, buffers_as_before
 from .config import KNAPSACK_MODES, SELECTIVE_MODES
 from .errors import InputWrittenError, UnsupportedModelError, warn_once
-from .freed_saves import FreedSaves
-from .higher_order import FakeTensorsKept
 from .policy import (
     OpSets,
     bypass_replay,
@@ -62,12 +59,14 @@ from .policy import (
     resolve_op_sets,
     selective_contexts,
 )
-from .python_state import PythonState
-from .random_sources import TrackerReplay, rng_states, set_rng_states
-from .replay_check import full_replay_contexts
-from .replay_context import ForwardContext
-from .reread import Reread
-from .routing import RoutesSeen, routes_in_full
+from .replay.buffers import BufferSnapshots, buffers_as_before
+from .replay.freed_saves import FreedSaves
+from .replay.python_state import PythonState
+from .replay.random_sources import TrackerReplay, rng_states, set_rng_states
+from .replay.region_saves import RegionSaves
+from .replay.replay_check import full_replay_contexts
+from .replay.replay_context import ForwardContext
+from .replay.routing import RoutesSeen, routes_in_full
 from .state import AppliedState, Override
 from .swap import LayerSwap, current_group
 
@@ -149,7 +148,7 @@ class RecomputeContext:
         self.layer, self.index = layer, index
         self._ops = ops
         self.save_ops = None if ops is None else ops.save_ops
-        self.routes_seen = RoutesSeen()  # NOTE [Routing is kept] in routing.py
+        self.routes_seen = RoutesSeen()  # NOTE [Routing is kept] in replay/routing.py
         # Built here, not in the traced frame (NOTE [One graph per layer plan]).
         self._compiled = compile_context_fn(self.backend_type, mode, swap_outputs, self.save_ops) if compile else None
 
@@ -391,9 +390,8 @@ class _Region:
             return self.call(*args, **self.kwargs)
         if not self.forward_done:
             self.forward_done = True
-            # NOTE [A saved tensor read twice in one backward] in reread.py; NOTE [Traces inside a region] in
-            # higher_order.py
-            with Reread(), FakeTensorsKept():
+            # NOTE [One hook pair per region] in region_saves.py
+            with RegionSaves(replaying=False):
                 return self.call(*(args if self.given is None else self.given), **self.kwargs)
         if self.watched:
             self._check_inputs("after the layer returned")
@@ -405,7 +403,7 @@ class _Region:
                     stack.enter_context(context)
             finally:
                 bypass_replay.reset(token)
-            stack.enter_context(FakeTensorsKept())
+            stack.enter_context(RegionSaves(replaying=True))
             return self.call(*args, **replay_kwargs)
 
 
@@ -425,6 +423,9 @@ class RecomputedForward(Override):
         """Whether a forward of the region was watched for saved tensors it frees (done once)."""
         # Eager regions keep their buffer updates single (NOTE [Buffers in the replay] in buffers.py).
         compiled = context is not None and context.compile
+        self.checked = context is not None and not compiled
+        """Whether hyperac checks each replay of the region itself (NOTE [Every replay is checked] in
+        replay_check.py), so torch's coarser check of saved tensors' metadata is not run on top."""
         self.context = context if compiled else BufferSnapshots.wrap(module, context, fqn, index)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -455,6 +456,8 @@ class RecomputedForward(Override):
             if not self.saves_checked:  # NOTE [Saved tensors freed in forward] in freed_saves.py
                 context_fn = FreedSaves(context_fn, self.fqn, self.index)
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
+        if self.checked and not torch.compiler.is_compiling():
+            extra["determinism_check"] = "none"
         run = functools.partial(torch_recompute.checkpoint, region, *args, use_reentrant=False, **extra)
         if self.swap is not None:
             run = functools.partial(self.swap.manager.run_layer, self.swap.offload, run, (args, kwargs),

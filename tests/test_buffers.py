@@ -1,5 +1,5 @@
 """Invariant 8: buffers a recomputed forward updates are updated once per step, in every mode, and the
-replay reads the values the forward read (NOTE [Buffers in the replay] in hyperac/buffers.py).
+replay reads the values the forward read (NOTE [Buffers in the replay] in hyperac/replay/buffers.py).
 
 Every test trains an applied copy and the un-applied model for three SGD steps from the same seeds and
 compares the whole ``state_dict`` (parameters, running statistics, counters) and the last gradients,

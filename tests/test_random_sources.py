@@ -12,7 +12,7 @@ from hyperac_testing import CpuRNGStatesTracker, Stack, assert_parity, train_ste
 from torch import nn
 
 import hyperac
-from hyperac.random_sources import draws_since, watch_generators
+from hyperac.replay.random_sources import draws_since, watch_generators
 
 RECOMPUTING = ("full", "selective", "selective-even", "pointwise")
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from program_fuzzer import ReadsTwice, differences, train
+from program_fuzzer import ReadsTwice, apply_mode, differences, train
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils import checkpoint as torch_recompute
@@ -199,20 +199,28 @@ def test_a_hook_object_records_each_forward_once_and_a_borrowed_norm_counts_each
 
 
 class GlobalDraws(nn.Module):
-    """Scales by draws from Python's and numpy's global generators (``random.random()``, ``np.random.rand()``)."""
+    """Scales by draws from Python's and numpy's global generators (``random.random()``, ``np.random.rand()``),
+    or by Gaussian draws (``random.gauss``, ``np.random.randn()``), which come in pairs: every second layer
+    takes the Gaussian its generator cached, moving nothing but the cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, gaussian: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(D, D)
+        self.gaussian = gaussian
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         numpy = pytest.importorskip("numpy")
-        scale = random.random() + float(numpy.random.rand())  # drawn before the last saved op: the replay draws
+        if self.gaussian:
+            scale = random.gauss(0, 1) + float(numpy.random.randn())
+        else:
+            scale = random.random() + float(numpy.random.rand())  # drawn before the last saved op: the replay draws
         return torch.tanh(self.linear(x) * scale)
 
 
+@pytest.mark.parametrize("gaussian", [False, True])
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
-def test_draws_from_the_global_python_and_numpy_generators_are_replayed_and_leave_them_where_the_forward_did(mode):
+def test_draws_from_the_global_python_and_numpy_generators_are_replayed_and_leave_them_where_the_forward_did(
+        mode, gaussian):
     numpy = pytest.importorskip("numpy")
 
     def seeded_train(model: nn.Module) -> tuple[list, tuple, float]:
@@ -221,7 +229,7 @@ def test_draws_from_the_global_python_and_numpy_generators_are_replayed_and_leav
         return train(model, "plain", _input), random.getstate(), numpy.random.rand()
 
     torch.manual_seed(0)
-    model = Stack([GlobalDraws() for _ in range(2)])
+    model = Stack([GlobalDraws(gaussian) for _ in range(3)])
     expected, python_state, numpy_draw = seeded_train(copy.deepcopy(model))
     hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
     actual, applied_python_state, applied_numpy_draw = seeded_train(model)
@@ -510,6 +518,66 @@ def test_an_auxiliary_loss_list_gets_one_entry_per_forward_and_exact_losses(mode
     hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
     model(torch.randn(4, D)).backward()
     assert len(model.aux) == 3
+
+
+class ReadThenClear(Stack):
+    """A parent that adds its layers' auxiliary losses, then empties the list inside its forward (the usual
+    MoE pattern in hand-written models), in each of the ways Python empties one: ``clear()``,
+    ``del lst[:]``, ``pop()`` until empty, a new list bound in its place (the layers reach it through
+    their parent), and a dict of lists."""
+
+    def __init__(self, form: str) -> None:
+        self.form = form
+        self.aux: list | dict = {"balance": [], "z": []} if form == "dict" else []
+        super().__init__([Expert(self.aux) for _ in range(3)])
+        if form == "dict":
+            for layer in self.layers:
+                layer.losses = self.aux["balance" if layer is self.layers[0] else "z"]
+        if form == "rebound":
+            for layer in self.layers:
+                layer.losses = _Through(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main = super().forward(x)
+        form, aux = self.form, self.aux
+        if form == "dict":
+            loss = main + 0.1 * sum(aux["balance"]) + 0.01 * sum(aux["z"])
+            for losses in aux.values():
+                losses.clear()
+            return loss
+        loss = main + 0.1 * sum(aux)
+        if form == "clear":
+            aux.clear()
+        elif form == "del":
+            del aux[:]
+        elif form == "pop":
+            while aux:
+                aux.pop()
+        else:
+            self.aux = []
+        return loss
+
+
+class _Through:
+    """Appends to its owner's current ``aux`` list, whichever list that is now."""
+
+    def __init__(self, owner: nn.Module) -> None:
+        self.owner = (owner,)
+
+    def append(self, value: torch.Tensor) -> None:
+        self.owner[0].aux.append(value)
+
+
+@pytest.mark.parametrize("form", ["clear", "del", "pop", "rebound", "dict"])
+@pytest.mark.parametrize("mode", ["off", *RECOMPUTE_MODES, "swap", "auto"])
+def test_a_parent_that_reads_its_auxiliary_losses_then_empties_the_list_trains_exactly(form, mode):
+    torch.manual_seed(0)
+    model = ReadThenClear(form)
+    reference = copy.deepcopy(model)
+    expected = train(reference, "plain", _input, steps=3)
+    apply_mode(model, mode, _input)
+    assert differences(expected, train(model, "plain", _input, steps=3)) == []
+    assert not any(model.aux.values()) if form == "dict" else model.aux == []
 
 
 class Hooked(Stack):

@@ -1,4 +1,4 @@
-"""A replay routes as its forward did, in every mode (NOTE [Routing is kept] in hyperac/routing.py).
+"""A replay routes as its forward did, in every mode (NOTE [Routing is kept] in hyperac/replay/routing.py).
 
 On a GPU a replay's router inputs can differ from the forward's in the last bits, and ``topk`` then
 sends some tokens to other experts. Here tiny HF Mixtral and Qwen3-MoE models, with grouped and eager

@@ -42,7 +42,7 @@ from torch import nn
 from ..api import apply as hyperac_apply
 from ..config import Config
 from ..plan import Plan
-from ..random_sources import register_rng_tracker
+from ..replay.random_sources import register_rng_tracker
 
 __all__ = ["TRACKER_NAME", "apply"]
 

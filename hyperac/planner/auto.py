@@ -177,7 +177,7 @@ def resolve_choice(estimate: Estimate, chosen: Sequence[str], budget_bytes: int,
 
 def _routes_note(estimate: Estimate, modes: Sequence[str]) -> list[str]:
     """The plan's note on the layers that route data-dependently and replay: what their kept routes cost
-    (NOTE [Routing is kept] in routing.py)."""
+    (NOTE [Routing is kept] in replay/routing.py)."""
     layers = [layer for layer, mode in zip(estimate.layers, modes) if layer.route_bytes and mode not in ("off", "swap")]
     if not layers:
         return []

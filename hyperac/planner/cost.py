@@ -91,7 +91,7 @@ class LayerEstimate:
     """Seconds apart that its timing cannot tell modes (NOTE [Ties within the noise] in solver.py)."""
     route_bytes: int = 0
     """The bytes of the routes this layer decides in forward, which every mode that replays keeps
-    (counted in :attr:`kept_bytes`; NOTE [Routing is kept] in routing.py)."""
+    (counted in :attr:`kept_bytes`; NOTE [Routing is kept] in replay/routing.py)."""
 
 
 @dataclasses.dataclass(frozen=True)

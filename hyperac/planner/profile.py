@@ -83,7 +83,7 @@ class ModeProfile:
     the same in every mode's profile (real tensors only)."""
     routes: dict[int, int] = dataclasses.field(default_factory=dict)
     """Per layer that routes, the bytes its forward's routing ops returned: what every mode that replays
-    keeps of them (NOTE [Routing is kept] in routing.py)."""
+    keeps of them (NOTE [Routing is kept] in replay/routing.py)."""
 
 
 def _loss(model: nn.Module, sample: Any) -> tuple[torch.Tensor, Any]:

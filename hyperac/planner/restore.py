@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..python_state import PythonState
+from ..replay.python_state import PythonState
 
 __all__ = ["side_effects_undone"]
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .policy import OpSets, _EagerMode, _shapes, bypass_replay, unfit
+from ..policy import OpSets, _EagerMode, _shapes, bypass_replay, unfit
 from .replay_check import divergence
 
 __all__ = ["RoutesSeen", "routes_in_full"]

@@ -17,8 +17,9 @@ allows it, and valid programs do it:
   hyperac's;
 * an ``autograd.Function`` whose backward reads ``ctx.saved_tensors`` twice.
 
-So each recomputed region's forward puts a hook in front of checkpoint's unpack hook (``Reread``,
-entered innermost but for the fake tensors' hook): when a saved tensor is read again in a backward
+So each recomputed region's forward reads its saved tensors through :func:`read_again`, in front of
+checkpoint's unpack hook (the region's one hook pair, NOTE [One hook pair per region] in region_saves.py):
+when a saved tensor is read again in a backward
 that already took its value, the region's replay for that backward is forgotten, and checkpoint
 replays the region again, handing out the same values (the replay starts from the same RNG, Python
 and buffer states and is checked against the forward like any other). The price, paid only by a
@@ -40,29 +41,7 @@ from typing import Any
 import torch
 from torch.utils import checkpoint as torch_recompute
 
-__all__ = ["Reread", "checkpoint_frame"]
-
-
-class Reread:
-    """While entered inside a ``torch.utils.checkpoint`` region, a tensor saved for backward can be read
-    more than once per backward (NOTE [A saved tensor read twice in one backward]); elsewhere, nothing
-    changes. The unpack hook autograd keeps holds checkpoint's unpack hook and its frame, nothing else."""
-
-    def __init__(self) -> None:
-        self.pushed = False
-
-    def __enter__(self) -> None:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        frame = None if hooks is None else checkpoint_frame(hooks[1])
-        if frame is not None:
-            pack, unpack = hooks
-            torch._C._autograd._push_saved_tensors_default_hooks(pack, functools.partial(_read, frame, unpack))
-            self.pushed = True
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.pushed:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-            self.pushed = False
+__all__ = ["checkpoint_frame", "read_again"]
 
 
 def checkpoint_frame(unpack: Callable[[Any], torch.Tensor]) -> Any:
@@ -76,7 +55,7 @@ def checkpoint_frame(unpack: Callable[[Any], torch.Tensor]) -> Any:
     return frame if isinstance(frame, torch_recompute._CheckpointFrame) else None
 
 
-def _read(frame: Any, unpack: Callable[[Any], torch.Tensor], holder: Any) -> torch.Tensor:
+def read_again(frame: Any, unpack: Callable[[Any], torch.Tensor], holder: Any) -> torch.Tensor:
     """Checkpoint's ``unpack(holder)``, with ``frame``'s region replayed again first where this backward has
     read ``holder`` already."""
     backward = _current_backward()

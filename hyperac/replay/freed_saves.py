@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ._compat import SAC_CHECKPOINT_KWARGS
-from .errors import UnsupportedModelError
+from .._compat import SAC_CHECKPOINT_KWARGS
+from ..errors import UnsupportedModelError
 
 __all__ = ["FreedSaves"]
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InputWrittenError
+from ..errors import InputWrittenError
 
 __all__ = ["BufferSnapshots", "buffers_as_before"]
 

@@ -8,15 +8,19 @@ their number: a replay that takes the other side of an ``if`` whose two sides sa
 metadata (``relu`` or ``sigmoid``), or that computes a weight three times where the forward computed
 it once, gives other gradients and no error.
 
-So a ``full`` region fingerprints each tensor its forward saves for backward, as it is saved (a hook
-around checkpoint's own ``saved_tensors_hooks``, no dispatch mode): the autograd node that made it
-(``SigmoidBackward0``), or "made outside the region" (an input, a parameter, a tensor made before the
-region started, an autocast cast of a leaf), its shape and its dtype. The replay fingerprints what it
+So a ``full`` region fingerprints each tensor its forward saves for backward, as it is saved (by the
+region's one hook pair in front of checkpoint's own, NOTE [One hook pair per region] in region_saves.py;
+no dispatch mode): the autograd node that made it (``SigmoidBackward0``), or "made outside the region"
+(an input, a parameter, a tensor made before the region started, an autocast cast of a leaf), its shape
+and its dtype. The replay fingerprints what it
 saves the same way and compares each entry with the forward's as it is saved, so the first difference
 raises :class:`~hyperac.RecomputeMismatchError` naming the layer, the position, the ops that made both
-tensors and the likely causes, before torch's own check or a wrong gradient. A replay that ends having
-saved fewer tensors than the forward is a divergence too. The cost is one Python call per saved tensor
-in forward and in replay, about 1 µs each (benchmarks/replay_check_overhead.py measures it per step).
+tensors and the likely causes, before a wrong gradient. A replay that ends having saved fewer tensors
+than the forward is a divergence too. The cost is one Python call per saved tensor in forward and in
+replay, about 1 µs each (benchmarks/host_overhead.py measures it per layer). Torch's own check (the
+metadata of every saved tensor, kept in forward under ``no_grad`` and compared after the replay: about as
+much again) holds nothing this one does not, nor does it for the selective modes, whose replays are checked
+op by op (policy.py): every eager region passes ``determinism_check="none"``.
 Tensors made by an excluded module (NOTE [Excluded modules] in recompute.py) are made outside the region
 in the replay (they are returned from the forward), so there an entry made outside the replay matches
 any maker. Which ops a composite op becomes depends on whether a dispatch mode is active (``reshape`` is
@@ -40,13 +44,14 @@ instead of the cast's dtype: not the un-applied gradients.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
 
-from .errors import RecomputeMismatchError
+from ..errors import RecomputeMismatchError
 
-__all__ = ["cast_of_a_leaf", "divergence", "full_replay_contexts"]
+__all__ = ["armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts"]
 
 _LIKELY_CAUSES = (
     "The layer's training forward reads state that changed between its forward and its replay and that hyperac "
@@ -134,28 +139,48 @@ class _Fingerprint:
 
 
 class _Hooked:
-    """Runs :meth:`_saved` on each tensor saved for backward while entered, then the hooks that were on
-    top (checkpoint's): pushed on entry, popped on exit."""
+    """Sees each tensor saved for backward while entered, through the region's hook pair (NOTE [One hook
+    pair per region] in region_saves.py), which takes it with :func:`armed_check` as the region starts."""
 
     def __init__(self, fingerprint: _Fingerprint) -> None:
         self.fingerprint = fingerprint
         self.first = 0
-        self.pack: Any = None
+        self.token: Any = None
 
     def __enter__(self) -> None:
         self.first = torch._C._autograd._get_sequence_nr()
-        self.pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, unpack)
+        self.token = _armed.set(self)
 
     def __exit__(self, *exc: Any) -> None:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
+        _armed.reset(self.token)
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        self._saved((_maker(tensor, self.first), tuple(tensor.shape), tensor.dtype))
-        return self.pack(tensor)
+    def saved(self, tensor: torch.Tensor) -> None:
+        """Fingerprint ``tensor``, saved for backward (:func:`_maker` inlined: one Python call per tensor)."""
+        node = tensor.grad_fn
+        if node is None or node._sequence_nr() < self.first:
+            maker = None
+        else:
+            maker = node.name()
+            if maker in _RESHAPES:
+                maker = "a reshape"
+            elif maker == "ToCopyBackward0":
+                maker = _maker(tensor, self.first)
+        self._saved((maker, tensor.shape, tensor.dtype))
 
     def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
         raise NotImplementedError
+
+
+_armed: contextvars.ContextVar[_Hooked | None] = contextvars.ContextVar("hyperac_armed_check", default=None)
+
+
+def armed_check() -> _Hooked | None:
+    """The fingerprint context entered for the region whose forward or replay starts now, taken: a region
+    nested in it (which checkpoint gives contexts of its own) finds none."""
+    check = _armed.get()
+    if check is not None:
+        _armed.set(None)
+    return check
 
 
 class _Recording(_Hooked):

@@ -26,11 +26,12 @@ method or a ``functools.partial``; and where each random generator found there s
 Objects and hooks of torch and of hyperac itself are left as they are: the planner's profiler hooks
 layers to see every replay run. A replay first puts back every entry that differs from the snapshot (by
 identity, so tensors are never compared by value; generators by state), runs, and then puts back what
-was there before it (the forward's own change, and whatever happened since): the forward changed the
-state once, and the replay read what the forward read. One exception: an attribute the forward turned
-into a sub-module, parameter or buffer (``self.proj = None``, built on the first call) stays the one the
-forward built. The snapshot holds references to the values it saw (no copies) until the region's
-backward is done.
+was there before it, every entry as the replay found it (the forward's own change, and whatever happened
+since: an auxiliary-loss list its parent read and emptied stays empty, also where the replay's snapshot of
+it was empty too): the forward changed the state once, and the replay read what the forward read. One
+exception: an attribute the forward turned into a sub-module, parameter or buffer (``self.proj = None``,
+built on the first call) stays the one the forward built. The snapshot holds references to the values it
+saw (no copies) until the region's backward is done.
 
 Not reached: module-level globals (a hook appending to a global list), class attributes
 (``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak
@@ -47,9 +48,12 @@ sub-module on its first call runs ops its replay does not: ``full`` is exact, th
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
+import operator
 import pickle
 import random
+import struct
 import sys
 import types
 import weakref
@@ -170,6 +174,25 @@ def _items_of(value: Any) -> Iterable[Any]:
     return [item for item in items if type(item) not in _ATOMS]
 
 
+def _held_leaves(value: Any, leaves: list[Any]) -> list[Any]:
+    """The leaves of ``value`` (as ``tree_leaves`` finds them) that may hold Python state: not tensors,
+    numbers or strings; appended to ``leaves``. Tuples, lists and dicts are looked through here (the
+    usual arguments, without pytree's per-leaf cost), other containers by ``tree_leaves``."""
+    kind = type(value)
+    if kind in _ATOMS or issubclass(kind, torch.Tensor):
+        return leaves
+    if kind is tuple or kind is list:
+        for item in value:
+            _held_leaves(item, leaves)
+    elif kind is dict:
+        for item in value.values():
+            _held_leaves(item, leaves)
+    else:
+        leaves.extend(leaf for leaf in tree_leaves(value)
+                      if type(leaf) not in _ATOMS and not issubclass(type(leaf), torch.Tensor))
+    return leaves
+
+
 def _users(hook: Callable[..., Any]) -> bool:
     """Whether ``hook`` is the user's: not a function or object of torch's or hyperac's (``_WATCHERS``),
     seen through ``functools.partial`` and bound methods."""
@@ -227,10 +250,11 @@ def _contents(value: Any) -> Any:
 
 def _same(first: Any, second: Any) -> bool:
     """Equal shallow contents, compared by identity."""
-    if type(first) is dict:
-        return first.keys() == second.keys() and all(first[key] is second[key] for key in first)
+    if type(first) is dict:  # in the same order (else they read as changed, and are set back: no harm)
+        return (len(first) == len(second) and all(map(operator.is_, first.values(), second.values()))
+                and all(map(operator.is_, first, second)))
     if type(first) in (list, collections.deque):
-        return len(first) == len(second) and all(a is b for a, b in zip(first, second))
+        return len(first) == len(second) and all(map(operator.is_, first, second))
     return first == second
 
 
@@ -252,13 +276,18 @@ class _Entry:
 
 
 class _Attributes(_Entry):
-    """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity."""
+    """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity. Read as a
+    copy of the whole ``__dict__`` (one C call; the bookkeeping's objects stay the same ones, so they
+    compare as unchanged) and set back without the bookkeeping."""
 
     __slots__ = ()
 
     def now(self) -> dict[str, Any]:
-        state = self.target.__dict__
-        return {name: state[name] for name in state.keys() - _MODULE_BOOKKEEPING}
+        return self.target.__dict__.copy()
+
+    def own(self) -> list[Any]:
+        """The values of the attributes the snapshot restores."""
+        return [value for name, value in self.values.items() if name not in _MODULE_BOOKKEEPING]
 
     def put(self, values: dict[str, Any]) -> None:
         """Set the attributes to ``values``, but for a name the forward has since made a sub-module,
@@ -268,7 +297,8 @@ class _Attributes(_Entry):
         for name in state.keys() - _MODULE_BOOKKEEPING - values.keys():
             del state[name]
         registered = state["_modules"].keys() | state["_parameters"].keys() | state["_buffers"].keys()
-        state.update((name, value) for name, value in values.items() if name not in registered)
+        state.update((name, value) for name, value in values.items()
+                     if name not in registered and name not in _MODULE_BOOKKEEPING)
 
 
 class _Hooks(_Entry):
@@ -281,6 +311,8 @@ class _Hooks(_Entry):
 
     def now(self) -> tuple[tuple[str, int, Any, tuple[bool, ...]], ...]:
         module = self.target
+        if not (module._forward_pre_hooks or module._forward_hooks):
+            return ()
         return tuple((table, key, hook, tuple(key in getattr(module, flag) for flag in flags))
                      for table, flags in _HOOK_TABLES.items()
                      for key, hook in getattr(module, table).items() if _users(hook))
@@ -375,28 +407,155 @@ class _Generator(_Entry):
     """Where a random generator the layer reaches stands: a ``torch.Generator``
     (``torch.bernoulli(x, generator=self.g)``), a ``random.Random``, a numpy ``RandomState`` or
     ``Generator``, and the global ones behind ``random.random()`` and ``np.random.rand()``. Its state is
-    kept in a form compared by value (bytes, or Python's own state tuple) and set back exactly."""
+    kept in a form compared by value (bytes, or Python's own state tuple) and set back exactly; read
+    as bytes where its layout allows (NOTE [Generators read as bytes])."""
 
     __slots__ = ()
 
     def now(self) -> Any:
         target = self.target
-        if type(target) is torch.Generator:
+        kind = type(target)
+        if kind is torch.Generator:
             return target.get_state().numpy().tobytes()
+        if kind is random.Random and _twister_bytes_readable():
+            return _TwisterState(_twister_bytes(target), target.gauss_next)
         if isinstance(target, random.Random):
             return target.getstate()
+        bits = _legacy_twister(target)
+        if bits is not None:
+            return _LegacyNumpyState(_numpy_bytes(target, bits, _numpy_gauss_at(kind)))
         return pickle.dumps(target.bit_generator.state if hasattr(target, "bit_generator") else target.get_state())
 
     def put(self, state: Any) -> None:
         target = self.target
         if type(target) is torch.Generator:
             target.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        elif type(state) is _TwisterState:
+            target.setstate(state.python_state())
         elif isinstance(target, random.Random):
             target.setstate(state)
+        elif type(state) is _LegacyNumpyState:
+            target.set_state(state.numpy_state())
         elif hasattr(target, "bit_generator"):
             target.bit_generator.state = pickle.loads(state)
         else:
             target.set_state(pickle.loads(state))
+
+
+# NOTE [Generators read as bytes]
+# Python's and numpy's global generators are reached by every layer, and their state APIs build it
+# anew at each read (``random.getstate()`` a tuple of 625 ints; numpy's ``get_state()`` copies its key
+# word by word, a few hundred microseconds, and was pickled to compare): most of the Python state's
+# cost, three times per layer invocation. Both are Mersenne Twisters whose state is 2,500 bytes in one
+# place: CPython's ``random.Random`` holds its index and 624 words right after the object header,
+# numpy's MT19937 publishes the address of its key and position (``bit_generator.ctypes.state_address``).
+# hyperac reads those bytes (a copy, compared by value: exact), with what else a draw can change: Python's
+# ``gauss_next`` (an attribute), and numpy's cached Gaussian (``has_gauss`` and ``gauss`` of a
+# ``RandomState``, which a legacy Gaussian draw takes without moving the key), found in the object where
+# probes put a known value. Each layout is probed once against the generator's own state API (as NOTE
+# [Every private torch piece] in _compat.py does for torch's): where a Python or numpy build lays them
+# out otherwise, the state APIs are read as before. A read is then a copy of 2.5 KB, and a put back
+# (rare: only where a draw moved it) goes through the state API.
+
+_TWISTER_BYTES = 4 + 624 * 4
+"""A Mersenne Twister's index (or position) and its 624 32-bit words."""
+
+
+@functools.cache
+def _twister_bytes_readable() -> bool:
+    """Whether a ``random.Random``'s state is the 2,500 bytes after its object header, checked on a probe."""
+    base = random.Random.__mro__[1]
+    if sys.implementation.name != "cpython" or base.__basicsize__ < object.__basicsize__ + _TWISTER_BYTES:
+        return False
+    probe = random.Random(12345)
+    probe.random()
+    return _TwisterState(_twister_bytes(probe), None).python_state() == probe.getstate()
+
+
+def _twister_bytes(generator: random.Random) -> bytes:
+    return ctypes.string_at(id(generator) + object.__basicsize__, _TWISTER_BYTES)
+
+
+class _TwisterState:
+    """A ``random.Random``'s state as its bytes and ``gauss_next``, compared by value."""
+
+    __slots__ = ("gauss_next", "words")
+
+    def __init__(self, words: bytes, gauss_next: float | None) -> None:
+        self.words, self.gauss_next = words, gauss_next
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is _TwisterState and self.words == other.words
+                and self.gauss_next == other.gauss_next)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def python_state(self) -> tuple[int, tuple[int, ...], float | None]:
+        index, *words = struct.unpack(f"=i{len(self.words) // 4 - 1}I", self.words)
+        return 3, (*words, index), self.gauss_next
+
+
+def _legacy_twister(target: Any) -> Any:
+    """The MT19937 bit generator of a numpy ``RandomState`` whose state is readable as bytes, else None."""
+    bits = getattr(target, "_bit_generator", None)
+    kind = type(target)
+    if type(bits).__name__ != "MT19937" or kind.__name__ != "RandomState" or _numpy_gauss_at(kind) is None:
+        return None
+    return bits
+
+
+@functools.cache
+def _numpy_gauss_at(kind: type) -> int | None:
+    """Where a numpy ``RandomState`` (``kind``) keeps ``has_gauss`` (an int, then at 8 bytes further the
+    cached Gaussian, a double) in its object, found on probes and checked against ``get_state()``, with its
+    MT19937 state readable at ``ctypes.state_address``; None where not so (NOTE [Generators read as bytes])."""
+    size = kind.__basicsize__
+    probes = [kind(seed) for seed in (1, 2)]
+    found: set[int] | None = None
+    try:
+        for probe in probes:
+            probe.standard_normal()  # leaves a cached Gaussian
+            state = probe.get_state()
+            memory = ctypes.string_at(id(probe), size)
+            gauss = struct.pack("=d", state[4])
+            at = {offset for offset in range(object.__basicsize__, size - 16 + 1, 8)
+                  if memory[offset + 8:offset + 16] == gauss and struct.unpack_from("=i", memory, offset)[0] == 1}
+            found = at if found is None else found & at
+        if found is None or len(found) != 1:
+            return None
+        offset = found.pop()
+        for probe in probes:
+            if _numpy_bytes(probe, probe._bit_generator, offset) != _numpy_expected(probe.get_state()):
+                return None
+            probe.standard_normal()  # takes the cached Gaussian
+            if _numpy_bytes(probe, probe._bit_generator, offset) != _numpy_expected(probe.get_state()):
+                return None
+    except (AttributeError, TypeError, ValueError, struct.error):
+        return None
+    return offset
+
+
+def _numpy_bytes(target: Any, bits: Any, gauss_at: int) -> bytes:
+    """A ``RandomState``'s MT19937 key and position, then its ``has_gauss`` and cached Gaussian."""
+    cached = ctypes.string_at(id(target) + gauss_at, 16)
+    return ctypes.string_at(bits.ctypes.state_address, _TWISTER_BYTES) + cached[:4] + cached[8:]
+
+
+def _numpy_expected(state: tuple) -> bytes:
+    _, key, position, has_gauss, gauss = state
+    return key.astype("=u4").tobytes() + struct.pack("=iid", position, has_gauss, gauss)
+
+
+class _LegacyNumpyState(bytes):
+    """A numpy ``RandomState``'s state as the bytes :func:`_numpy_bytes` reads (compared by value)."""
+
+    __slots__ = ()
+
+    def numpy_state(self) -> tuple:
+        numpy = sys.modules["numpy"]
+        key = numpy.frombuffer(self, dtype="=u4", count=624).copy()
+        position, has_gauss = struct.unpack_from("=ii", self, _TWISTER_BYTES - 4)
+        return "MT19937", key, position, has_gauss, struct.unpack_from("=d", self, _TWISTER_BYTES + 4)[0]
 
 
 def _is_generator(value: Any) -> bool:
@@ -420,14 +579,12 @@ class PythonState:
     def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
         self.entries: list[_Entry] = []
         self.seen: set[int] = set()
-        self.displaced: list[list[tuple[Any, Any]]] = []
+        self.found: list[list[tuple[_Entry, Any]]] = []
         own = list(modules)
         self.seen.update(map(id, own))
         found: list[nn.Module] = []
         walked: set[int] = set()  # what the search for modules looked through
-        for leaf in tree_leaves((args, kwargs)):
-            if issubclass(type(leaf), torch.Tensor):
-                continue
+        for leaf in _held_leaves((args, kwargs), []):
             found.extend(_modules_in(leaf, walked))
             self._add_deep(leaf)
         for module in own:
@@ -449,12 +606,12 @@ class PythonState:
         its hook tables and what its hooks hold; returns the modules among its attributes."""
         attributes = _Attributes(module)
         self.entries.append(attributes)
-        parameters = tuple(module.parameters(recurse=False))
+        parameters = tuple(parameter for parameter in module._parameters.values() if parameter is not None)
         if parameters:
             self.entries.append(_RequiresGrad(parameters))
         self.entries.append(_Hooks(module))
         held = []
-        for value in attributes.values.values():
+        for value in attributes.own():
             held.extend(_modules_in(value, walked))
             self._add_deep(value)
         for value in _hook_holders((*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
@@ -483,7 +640,7 @@ class PythonState:
             self.seen.add(id(value))
             attributes = _Attributes(value)
             self.entries.append(attributes)
-            for item in attributes.values.values():
+            for item in attributes.own():
                 self._add_deep(item)
         else:
             self._add_deep(value)
@@ -529,18 +686,22 @@ class PythonState:
             self.entries.append(contents)
 
     def put_back(self) -> list[tuple[Any, Any]]:
-        """Make the state what it was when this snapshot was taken; returns what it displaced."""
-        displaced = []
-        for entry in self.entries:
-            now = entry.now()
-            if now is not entry.values and (type(entry) is _Cell or not _same(now, entry.values)):
-                displaced.append((entry, now))
+        """Make the state what it was when this snapshot was taken; returns each entry with the state it
+        had just before (what a replay leaves behind)."""
+        found = [(entry, entry.now()) for entry in self.entries]
+        for entry, now in found:
+            if _differs(now, entry.values, entry):
                 entry.put(entry.values)
-        return displaced
+        return found
 
     def __enter__(self) -> None:
-        self.displaced.append(self.put_back())
+        self.found.append(self.put_back())
 
     def __exit__(self, *exc: Any) -> None:
-        for entry, value in reversed(self.displaced.pop()):
-            entry.put(value)
+        for entry, value in reversed(self.found.pop()):
+            if _differs(entry.now(), value, entry):
+                entry.put(value)
+
+
+def _differs(now: Any, then: Any, entry: _Entry) -> bool:
+    return now is not then and (type(entry) is _Cell or not _same(now, then))

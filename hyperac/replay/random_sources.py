@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 
 __all__ = [
     "GeneratorStates", "RNGTracker", "TrackerReplay", "check_trackers_registered", "draws_since",
