@@ -297,9 +297,11 @@ def _probe_side_effects_in_region() -> str | None:
         return torch_recompute.checkpoint(side_effects_once, _region_writing_outside, outer, x, use_reentrant=False)
 
     x = torch.ones(2, requires_grad=True)
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
-        torch.compile(step, backend=backend, fullgraph=True)(x).sum().backward()
-    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+            torch.compile(step, backend=backend, fullgraph=True)(x).sum().backward()
+    finally:  # the probe's own graph only: each probe compiles afresh, other compiled code keeps its graphs
+        torch._dynamo.reset_code(step.__code__)
     if len(frames) != 1 or outer.value is not None or not torch.equal(x.grad, x.detach().cos()):
         return "dynamo's _disable_side_effect_safety_checks_for_current_subtracer no longer lets a checkpoint " \
             "region write to an outer object in one graph"
