@@ -71,6 +71,26 @@ def test_tested_range_is_what_pyproject_declares():
     assert f'dependencies = ["torch>={_compat.MIN_TORCH}"]' in pyproject.read_text(encoding="utf-8")
 
 
+def test_extras_cap_nothing_and_ci_pins_what_the_versions_page_names():
+    """``pip install ".[hf]"`` leaves the newest transformers in place: the extras name floors only.
+    CI pins its own envs (ci/constraints.txt), the Supported versions page names those pins, and
+    ``tox -e torch-newest`` runs the newest torch of the tested range."""
+    tomllib = pytest.importorskip("tomllib")
+    root = pathlib.Path(__file__).parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    for extra in ("hf", "test"):
+        capped = [requirement for requirement in extras[extra] if "<" in requirement or "==" in requirement]
+        assert not capped, f"the {extra} extra caps {capped}"
+    lines = (root / "ci" / "constraints.txt").read_text(encoding="utf-8").splitlines()
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    page = (root / "docs" / "versions.md").read_text(encoding="utf-8")
+    for package in ("transformers", "kernels", "accelerate", "peft"):
+        assert pins[package] in page, f"docs/versions.md does not name CI's {package} {pins[package]}"
+    tox = (root / "tox.ini").read_text(encoding="utf-8")
+    assert f"[testenv:torch-newest]\ndescription = the suite on the newest torch in the tested range " \
+        f"({_compat.TESTED_TORCH[-1]}.0" in tox and f"deps = torch=={_compat.TESTED_TORCH[-1]}.0\n" in tox
+
+
 @pytest.mark.parametrize("name", ["_detach_helper", "SAC_IGNORED_OPS", "_sac_storage_key"])
 def test_selective_refused_when_a_sac_internal_is_missing(monkeypatch, name):
     model = tiny_llama(num_layers=2)
