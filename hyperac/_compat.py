@@ -69,6 +69,8 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -76,7 +78,7 @@ import torch
 from torch.utils import checkpoint as torch_recompute
 
 from .config import SELECTIVE_MODES, Config
-from .errors import TorchVersionError
+from .errors import HyperACWarning, TorchVersionError
 
 __all__ = [
     "FRAME_HOOK_AVAILABLE", "MIN_TORCH", "PRIVATE_TORCH", "SAC_CHECKPOINT_KWARGS", "TESTED_TORCH",
@@ -86,9 +88,11 @@ __all__ = [
 
 # The torch releases the whole suite runs on (tox -e cpu, tox -e torch-newest), and the floor
 # pyproject.toml declares (older releases lack the internals probed below). Newer releases are not
-# capped in pyproject: a cap would make pip replace the user's torch; the probes judge them instead.
-TESTED_TORCH = ("2.13", "2.14")
+# capped in pyproject: a cap would make pip replace the user's torch; the probes judge them instead,
+# and apply warns once that the release is untested (NOTE [A torch newer than the tested range]).
+TESTED_TORCH = ("2.13", "2.14", "2.15")
 MIN_TORCH = TESTED_TORCH[0]
+TESTED_RANGE = f"{TESTED_TORCH[0]}-{TESTED_TORCH[-1]}"
 
 
 def _storage_use_count_missing(cdata: int) -> int:
@@ -112,8 +116,8 @@ _FEATURES = {"selective": "the selective modes (selective, selective-even, point
 def _mismatch(feature: str, detail: str) -> TorchVersionError:
     return TorchVersionError(
         f"torch {torch.__version__} lacks or changed a torch internal needed by {feature}: {detail}. "
-        f"hyperac is tested with torch {' and '.join(TESTED_TORCH)}; install one "
-        "(e.g. pip install 'torch==2.14.1'), or use mode='full', which needs no torch internals."
+        f"hyperac is tested with torch {TESTED_RANGE}; install one "
+        f"(e.g. pip install 'torch=={TESTED_TORCH[-1]}.0'), or use mode='full', which needs no torch internals."
     )
 
 
@@ -134,6 +138,36 @@ def require_for(modes: list[str], swaps: list[bool], config: Config) -> None:
     selective = [swap for mode, swap in zip(modes, swaps) if mode in SELECTIVE_MODES and not config.compile]
     swapped = config.swap_selective_outputs and any(selective)
     require(*["selective"] * bool(selective), *["swap_selective_outputs"] * swapped)
+
+
+# NOTE [A torch newer than the tested range]
+# The probes catch a changed internal that hyperac calls; they cannot catch a release that changes
+# what it computes around them (a new decomposition, a dynamo rule that splits a graph). So ``apply``
+# on a torch whose major.minor is newer than :data:`TESTED_TORCH` (pre-releases and nightlies of it
+# included: 2.16.0a0, 2.16.0.dev20261201) warns once per process, naming the tested range; the
+# warning is keyed by the version string, so a test that fakes one sees it whatever ran before.
+# Older releases are refused by pip (pyproject's floor), not here.
+
+
+def untested_torch(version: str) -> bool:
+    """Whether ``version`` (a ``torch.__version__``) is a major.minor newer than :data:`TESTED_TORCH`."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    newest = tuple(int(part) for part in TESTED_TORCH[-1].split("."))
+    return found is not None and (int(found[1]), int(found[2])) > newest
+
+
+@functools.cache
+def warn_if_untested(version: str) -> None:
+    """Warn once per process (per ``version``) that torch ``version`` is newer than the tested range
+    (NOTE [A torch newer than the tested range]); called by :func:`hyperac.apply`."""
+    if untested_torch(version):
+        warnings.warn(
+            f"hyperac is tested with torch {TESTED_RANGE}; torch {version} is newer. apply checks the torch "
+            "internals it relies on (a changed one raises TorchVersionError), but an untested release can change "
+            "what the compiler or autograd do around them. If gradients or memory look wrong, install a tested "
+            f"torch: pip install 'torch=={TESTED_TORCH[-1]}.0'.",
+            HyperACWarning, stacklevel=3,
+        )
 
 
 @functools.cache
@@ -221,9 +255,56 @@ def resume_frame_compilation(paused: Any) -> None:
         _set_eval_frame(paused)
 
 
+def side_effects_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; traced by dynamo inside a checkpoint region, the writes it makes to Python
+    objects from outside the region are kept (applied once, not replayed) instead of breaking the graph
+    (NOTE [Python side effects in a compiled region] in recompute.py). Only called while compiling, when
+    ``torch._dynamo`` is imported."""
+    return torch._dynamo.utils._disable_side_effect_safety_checks_for_current_subtracer(fn, *args, **kwargs)
+
+
 def _probe_frame_hook() -> str | None:
     if _set_eval_frame is None:
         return "torch._C._dynamo.eval_frame has no set_eval_frame"
+    return None
+
+
+class _Outer:
+    """An object from outside a compiled region, which the region writes to."""
+
+    value: Any = None
+
+
+def _region_writing_outside(outer: _Outer, x: torch.Tensor) -> torch.Tensor:
+    # kernels' CompileableContextVar.set, then reset: a dict of objects dynamo cannot fold to a constant
+    previous, outer.value = outer.value, {id(outer): (outer, _region_writing_outside)}
+    try:
+        return x.sin()
+    finally:
+        outer.value = previous
+
+
+def _probe_side_effects_in_region() -> str | None:
+    import torch._dynamo
+
+    outer, frames = _Outer(), []
+
+    def backend(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        frames.append(graph)
+        return graph.forward
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch_recompute.checkpoint(side_effects_once, _region_writing_outside, outer, x, use_reentrant=False)
+
+    x = torch.ones(2, requires_grad=True)
+    try:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+            torch.compile(step, backend=backend, fullgraph=True)(x).sum().backward()
+    finally:  # the probe's own graph only: each probe compiles afresh, other compiled code keeps its graphs
+        torch._dynamo.reset_code(step.__code__)
+    if len(frames) != 1 or outer.value is not None or not torch.equal(x.grad, x.detach().cos()):
+        return "dynamo's _disable_side_effect_safety_checks_for_current_subtracer no longer lets a checkpoint " \
+            "region write to an outer object in one graph"
     return None
 
 
@@ -387,6 +468,8 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
     "torch._C._dynamo.eval_frame.set_eval_frame": (
         "policy.py (frame compilation paused per region)", _probe_frame_hook),
     "torch._disable_dynamo": ("recompute.py (eager regions under torch.compile)", _probe_disable_dynamo),
+    "torch._dynamo.utils._disable_side_effect_safety_checks_for_current_subtracer": (
+        "recompute.py (compiled regions keep their Python side effects)", _probe_side_effects_in_region),
     "TorchDispatchMode._should_skip_dynamo, .ignore_compile_internals (overridden)": (
         "policy.py (dispatch modes and torch.compile)", _probe_dispatch_mode_overrides),
     "nn.Module._forward_pre_hooks, _forward_hooks (read), their with_kwargs / always_called flags and global "

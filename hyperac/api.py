@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import _compat, _hf
@@ -286,6 +287,7 @@ def apply(
              max_seq_len=max_seq_len, seq_dim=seq_dim, length_buckets=length_buckets, save_ops=save_ops,
              force_recompute=force_recompute, group=group, head=head, head_chunk=head_chunk, bitwise=bitwise),
     )
+    _compat.warn_if_untested(torch.__version__)
     named_modules = _check_model(model)
     chosen_backend = get_backend(config.backend)
     found = discover_layers(model, config.layer_spec.containers, [m for _, m in named_modules])

@@ -433,7 +433,8 @@ class _Kept:
         """The shapes of the op's tensor arguments in forward, which the replay's must equal
         (NOTE [Kept outputs that no longer fit])."""
         self.lasting = lasting
-        """A route: handed to every replay, as a copy, rather than once (NOTE [Routing is kept] in replay/routing.py)."""
+        """A route: handed to every replay, as a copy, rather than once (NOTE [Routing is kept] in
+        replay/routing.py)."""
         self.written = written or {}
         """Output leaf position -> position among the op's argument leaves of the tensor it is (a
         collective that writes into its arguments; NOTE [Collectives that write into their arguments])."""

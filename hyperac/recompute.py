@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_recompute
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from ._compat import SAC_CHECKPOINT_KWARGS
+from ._compat import SAC_CHECKPOINT_KWARGS, side_effects_once
 from ._hf import CACHE_KWARGS
 from .backends import Backend
 from .config import KNAPSACK_MODES, SELECTIVE_MODES
@@ -386,8 +386,8 @@ class _Region:
                 )
 
     def __call__(self, *args: Any) -> Any:
-        if not self.caches and not self.watched:  # no Python state here: under torch.compile that breaks the graph
-            return self.call(*args, **self.kwargs)
+        if not self.caches and not self.watched:  # traced: NOTE [Python side effects in a compiled region]
+            return side_effects_once(self.call, *args, **self.kwargs)
         if not self.forward_done:
             self.forward_done = True
             # NOTE [One hook pair per region] in region_saves.py
@@ -592,6 +592,24 @@ def install_forced_recompute(module: nn.Module, owner: AppliedState, fqn: str) -
 # everything the compiler cannot trace does; the rest of the model is compiled. Full recompute
 # without swap or buffers has no context and is traced, as are ``compile=True`` layers (see
 # ``policy.compile_context_fn``).
+
+
+# NOTE [Python side effects in a compiled region]
+# Dynamo traces a ``compile=True`` region's forward into torch.utils.checkpoint's higher-order op, and
+# by default refuses any write to a Python object from outside the region there (eager checkpoint would
+# make it again in the replay): the whole region then leaves the graph and its layer compiles as
+# several frames, silently. transformers 5.25's ``kernels`` layers make such a write in every layer:
+# the wrapper ``use_kernelized_func`` puts on attention sets a module-level context variable of the
+# ``kernels`` package for the call and resets it after (under compile a plain attribute of a global
+# object, ``CompileableContextVar.global_var``). hyperac's contract is the forward's side effects happen
+# once and the replay reads what the forward read (NOTE [Python state in the replay] in python_state.py),
+# which is what a traced region gives when the writes are kept: dynamo applies them once after the
+# forward graph, and the backward graph replays tensor ops only, on the values traced in forward. So
+# the region's forward runs through dynamo's switch for exactly that
+# (``_disable_side_effect_safety_checks_for_current_subtracer``, :func:`hyperac._compat.side_effects_once`),
+# scoped to hyperac's own regions: torch's process-wide ``skip_fwd_side_effects_in_bwd_under_checkpoint``
+# stays the user's, and module classes stay as they are. A set-and-reset like kernels' leaves nothing
+# behind; a layer with a lasting write (a call counter) counts once per step, as eagerly.
 
 
 # NOTE [KV caches under torch.compile]

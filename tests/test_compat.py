@@ -29,8 +29,10 @@ SIM = dict(backend="sim", min_swap_bytes=0)
 def fresh_checks():
     """Each case checks this torch anew, and leaves no failed or patched result behind."""
     _compat._check.cache_clear()
+    _compat.warn_if_untested.cache_clear()
     yield
     _compat._check.cache_clear()
+    _compat.warn_if_untested.cache_clear()
 
 
 def _state(model):
@@ -43,7 +45,7 @@ def _refused(model, message, **options):
         hyperac.apply(model, **options)
     text = str(caught.value)
     assert text.startswith(f"torch {torch.__version__} lacks or changed a torch internal needed by ")
-    assert "tested with torch 2.13 and 2.14" in text and "mode='full'" in text
+    assert "tested with torch 2.13-2.15" in text and "mode='full'" in text
     assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, HyperACError)
     assert _state(model) == before, "a refused apply changed the model"
     assert "_hyperac_state" not in model.__dict__
@@ -64,8 +66,29 @@ def test_this_torch_passes_and_the_check_is_cheap_after_the_first_call(monkeypat
 def test_tested_range_is_what_pyproject_declares():
     major_minor = ".".join(torch.__version__.split(".")[:2])
     assert major_minor in _compat.TESTED_TORCH, f"torch {torch.__version__} is outside the tested releases"
+    assert _compat.TESTED_TORCH == ("2.13", "2.14", "2.15") and _compat.TESTED_RANGE == "2.13-2.15"
     pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
     assert f'dependencies = ["torch>={_compat.MIN_TORCH}"]' in pyproject.read_text(encoding="utf-8")
+
+
+def test_extras_cap_nothing_and_ci_pins_what_the_versions_page_names():
+    """``pip install ".[hf]"`` leaves the newest transformers in place: the extras name floors only.
+    CI pins its own envs (ci/constraints.txt), the Supported versions page names those pins, and
+    ``tox -e torch-newest`` runs the newest torch of the tested range."""
+    tomllib = pytest.importorskip("tomllib")
+    root = pathlib.Path(__file__).parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    for extra in ("hf", "test"):
+        capped = [requirement for requirement in extras[extra] if "<" in requirement or "==" in requirement]
+        assert not capped, f"the {extra} extra caps {capped}"
+    lines = (root / "ci" / "constraints.txt").read_text(encoding="utf-8").splitlines()
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    page = (root / "docs" / "versions.md").read_text(encoding="utf-8")
+    for package in ("transformers", "kernels", "accelerate", "peft"):
+        assert pins[package] in page, f"docs/versions.md does not name CI's {package} {pins[package]}"
+    tox = (root / "tox.ini").read_text(encoding="utf-8")
+    assert f"[testenv:torch-newest]\ndescription = the suite on the newest torch in the tested range " \
+        f"({_compat.TESTED_TORCH[-1]}.0" in tox and f"deps = torch=={_compat.TESTED_TORCH[-1]}.0\n" in tox
 
 
 @pytest.mark.parametrize("name", ["_detach_helper", "SAC_IGNORED_OPS", "_sac_storage_key"])
@@ -146,7 +169,8 @@ def test_every_private_torch_piece_is_probed_and_present():
     assert _compat.probe_private_torch() == {}
     names = " ".join(_compat.PRIVATE_TORCH)
     for piece in ("_disable_dynamo", "_should_skip_dynamo", "ignore_compile_internals", "_forward_hooks", "_buffers",
-                  "Tensor._base", "_local_scalar_dense", "_storage_Use_Count", "_detach_helper", "set_eval_frame"):
+                  "Tensor._base", "_local_scalar_dense", "_storage_Use_Count", "_detach_helper", "set_eval_frame",
+                  "_disable_side_effect_safety_checks_for_current_subtracer"):
         assert piece in names, piece
 
 
@@ -159,6 +183,8 @@ _HOOK_TABLES = ("nn.Module._forward_pre_hooks, _forward_hooks (read), their with
     ("nn.Module._buffers", lambda monkeypatch: monkeypatch.setattr(
         torch.nn.Module, "__getattr__", lambda self, name: torch.zeros(2))),
     ("Tensor._base", lambda monkeypatch: monkeypatch.setattr(torch.Tensor, "_base", None)),
+    ("torch._dynamo.utils._disable_side_effect_safety_checks_for_current_subtracer", lambda monkeypatch: (
+        monkeypatch.setattr(_compat, "side_effects_once", lambda fn, *args, **kwargs: fn(*args, **kwargs)))),
     (_HOOK_TABLES, lambda monkeypatch: monkeypatch.setattr(  # a copied handle points nowhere
         torch.utils.hooks.RemovableHandle, "__getstate__", lambda self: (None, self.id))),
     (_HOOK_TABLES, lambda monkeypatch: monkeypatch.setattr(  # global hooks kept in a table of their own
@@ -168,3 +194,29 @@ _HOOK_TABLES = ("nn.Module._forward_pre_hooks, _forward_hooks (read), their with
 def test_a_changed_private_piece_is_reported(monkeypatch, name, breaks):
     breaks(monkeypatch)
     assert name in _compat.probe_private_torch()
+
+
+def _apply_warnings(version, monkeypatch):
+    """The HyperACWarnings of two applies under torch ``version`` (faked; the model really applies)."""
+    monkeypatch.setattr(torch, "__version__", version)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            hyperac.apply(tiny_llama(num_layers=2), mode="full")
+    return [str(w.message) for w in caught if issubclass(w.category, hyperac.HyperACWarning)]
+
+
+@pytest.mark.parametrize("version", ["2.16.0", "2.16.0a0+git1234567", "2.16.0.dev20261201+cpu", "3.0.0rc1"])
+def test_a_torch_newer_than_the_tested_range_warns_once(monkeypatch, version):
+    """NOTE [A torch newer than the tested range]: a newer major.minor, pre-releases included, warns once
+    per process (two applies: one warning), naming the version and the tested range; the warning is
+    keyed by the version, so it does not depend on what ran before."""
+    caught = _apply_warnings(version, monkeypatch)
+    assert len(caught) == 1, caught
+    assert caught[0].startswith(f"hyperac is tested with torch 2.13-2.15; torch {version} is newer.")
+    assert "pip install 'torch==2.15.0'" in caught[0]
+
+
+@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.1", "2.15.0", "2.15.1+cu130", "2.15.0rc2"])
+def test_a_tested_torch_applies_without_a_warning(monkeypatch, version):
+    assert _apply_warnings(version, monkeypatch) == []

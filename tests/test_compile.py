@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from hyperac_testing import assert_parity, lm_loss, saved_for_backward, tiny_llama, train_step
+from hyperac_testing import BiasedMlp, Stack, assert_parity, lm_loss, saved_for_backward, tiny_llama, train_step
 
 import hyperac
 from hyperac.measure import flop_counter
@@ -563,3 +563,87 @@ def test_kv_cache_under_compile_warns_once_and_keeps_gradients(base_model, mode)
     counters.clear()
     train_step(model, lm_loss(batch=2, seq=16))
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+class _ActiveKernels:
+    """What transformers 5.25's ``kernels`` layers write under compile: a module-level object
+    (``kernels``' ``CompileableContextVar``) whose attribute a layer sets for its call and resets after."""
+
+    def __init__(self) -> None:
+        self.funcs = None
+
+
+ACTIVE_KERNELS = _ActiveKernels()
+
+
+class KernelizedBlock(BiasedMlp):
+    """Sets and resets :data:`ACTIVE_KERNELS` around its forward, as ``use_kernelized_func`` does."""
+
+    def forward(self, x):
+        # keyed by the kernel function (one for all layers), the layer's own wrapper as the value
+        previous, ACTIVE_KERNELS.funcs = ACTIVE_KERNELS.funcs, {id(BiasedMlp): (self.up, type(self.up).forward)}
+        try:
+            return super().forward(x)
+        finally:
+            ACTIVE_KERNELS.funcs = previous
+
+
+class CountingBlock(BiasedMlp):
+    """Counts its calls in an attribute: a write that lasts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def compiled_stack_step(block, options, steps=1):
+    """A 10-block :class:`Stack` of ``block`` (more than dynamo's recompile limit), applied with
+    ``options`` (``None``: no hyperac), each block compiled (``aot_eager``); its step, counter and model."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.utils.counters.clear()
+    model = Stack(block, num_blocks=10)
+    if options is not None:
+        hyperac.apply(model, compile=True, **options)
+    counter = CompileCounterWithBackend("aot_eager")
+    for layer in model.blocks:
+        layer.compile(backend=counter)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()  # as every layer's input
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for _ in range(steps):
+            step = train_step(model, lambda model: model(x).square().mean())
+    return step, counter, model
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "pointwise"])
+def test_layers_that_set_and_reset_a_global_stay_one_graph(mode):
+    """NOTE [Python side effects in a compiled region]: layers that set a global object's attribute for
+    their call and reset it (transformers 5.25's ``kernels`` hub layers) compile to one graph per layer
+    plan with no graph break, give the gradients of the compiled un-applied stack bitwise, and leave
+    the global as it was."""
+    reference, reference_counter, _ = compiled_stack_step(KernelizedBlock, None)
+    assert reference_counter.frame_count == 1 and not torch._dynamo.utils.counters["graph_break"]
+    torch._dynamo.reset()
+    step, counter, _ = compiled_stack_step(KernelizedBlock, {"mode": mode})
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert counter.frame_count == 1
+    assert_parity(reference, step)
+    assert ACTIVE_KERNELS.funcs is None
+
+
+def test_a_lasting_write_in_a_compiled_layer_happens_once_per_step():
+    """A compiled layer's write that lasts (a call counter) happens once per forward, as in the
+    un-applied model and in hyperac's eager regions (NOTE [Python state in the replay]): the replay in
+    the backward graph does not run it again, and the layer stays one graph."""
+    expected, plain_counter, plain = compiled_stack_step(CountingBlock, None, steps=2)
+    torch._dynamo.reset()
+    step, counter, model = compiled_stack_step(CountingBlock, {"mode": "full"}, steps=2)
+    assert [block.calls for block in model.blocks] == [block.calls for block in plain.blocks] == [2] * 10
+    # dynamo specializes on the count (a graph per value), with hyperac as without
+    assert counter.frame_count == plain_counter.frame_count == 2
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert_parity(expected, step)
