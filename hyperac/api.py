@@ -605,8 +605,9 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
             profile there is an error.
         min_swap_bytes: as for :func:`apply`: the swap costs count only storages of at least this
             many bytes (default ``Config``'s, 1 MiB).
-        head, head_chunk: as for :func:`apply`: ``head="chunked"`` profiles every step with the head and
-            the loss chunked (NOTE [The head in the plan]); ``None`` and ``"off"``, as the model computes them.
+        head: as for :func:`apply`: ``"chunked"`` profiles every step with the head and the loss chunked
+            (NOTE [The head in the plan]); ``None`` and ``"off"``, as the model computes them.
+        head_chunk: as for :func:`apply`: tokens per chunk of the chunked head.
 
     Returns:
         An :class:`hyperac.planner.Estimate`; ``print()`` it for a table.

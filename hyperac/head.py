@@ -51,7 +51,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,9 +77,12 @@ _ELEMENTWISE = frozenset({
 _METADATA = frozenset({
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,  # type: ignore[attr-defined]
     torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.is_cuda.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,  # type: ignore[attr-defined]
-    torch.Tensor.is_floating_point, torch.Tensor.grad_fn.__get__, torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
-})
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
+    torch.Tensor.grad_fn.__get__,  # type: ignore[attr-defined]
+}) | frozenset(  # is_leaf, is_meta, is_sparse, and which device type: every is_* property of a tensor
+    descriptor.__get__ for name, descriptor in vars(torch._C.TensorBase).items()
+    if name.startswith("is_") and inspect.isgetsetdescriptor(descriptor)
+)
 
 
 class DeferredLogits(torch.Tensor):
@@ -171,6 +173,8 @@ def _cascade_sum(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """The sum of ``rows[keep]`` in the order of ATen's CPU ``nll_loss`` reduction (a cascade of
     eight levels of partial sums, flushed at multiples of 16 positions; a row it ignores flushes
     nothing), so that a loss summed per chunk is the un-chunked loss bit for bit."""
+    import numpy as np  # float32 scalar sums; numpy comes with transformers, whose loss this is
+
     values = rows.detach().cpu().numpy()
     kept = keep.cpu().numpy()
     levels = 8

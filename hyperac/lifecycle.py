@@ -22,9 +22,12 @@ with one that gathers a parameter a forward reads outside its own module, PEFT's
 its adapter's ``weight.dtype``). A layer's program is what its ``forward`` runs, its sub-modules'
 forwards included; a hook's op on what autograd tracks (one that changes the module's output, a
 tensor-parallel hook redistributing its input) is part of it, and so is everything under
-``torch.no_grad()`` inside a forward. A collective in a forward (Megatron's sequence-parallel
-all-gather of activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's
-and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is one
+``torch.no_grad()`` inside a forward. A view a hook takes is not, with autograd on or off: it computes
+nothing, runs again in the replay wherever the hook runs again, and a hook may take it in the forward only
+(torch's ``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs
+through ``view_as`` in forward and not in backward, which shifted the tape by one op). A collective in a
+forward (Megatron's sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an
+``autograd.Function``) is the layer's and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is one
 a hook runs on the module's inputs or output (a tensor-parallel plan's hooks redistributing
 activations, ``DTensor.redistribute`` with autograd off); the same op run by a ZeRO-3 pre-hook on
 parameter shards, which are neither, is not seen. What a hook derives from the module's inputs and
@@ -91,11 +94,13 @@ class HookOps:
         self.activations: set[int] = set()
         self.derives = False
 
-    def owns(self, args: tuple, collective: bool) -> bool:
-        """Whether the op being dispatched (called with ``args``; ``collective``: it communicates) is a
-        stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` through one
-        method, and :meth:`ran` with the op's output where it answers ``True``."""
-        if torch.is_grad_enabled() and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+    def owns(self, args: tuple, collective: bool, alias: bool = False) -> bool:
+        """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
+        returns a view of its input and computes nothing) is a stack's, not the layer's. Call it from a
+        dispatch mode's ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where
+        it answers ``True``."""
+        if (not alias and torch.is_grad_enabled()
+                and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)):
             return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
         frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
         walked: list[types.FrameType] = []

@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hyperac_testing import Stack, assert_parity, lm_loss, tiny_llama, train_step
+from hyperac_testing import BiasedMlp, Stack, assert_parity, lm_loss, tiny_llama, train_step
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hyperac
+from hyperac.measure import flop_counter
 
 MODES = ["full", "selective", "selective-even", "pointwise", "swap"]
 GATHERED: set[int] = set()
@@ -96,6 +97,25 @@ def test_gathers_the_replay_does_not_run_are_not_the_layers(mode, on_access):
     hyperac.apply(model, **options)
     for _ in range(2):
         assert_parity(reference, train_step(model, loss_fn))
+
+
+@pytest.mark.parametrize("mode", ["selective", "selective-even", "pointwise"])
+def test_a_view_a_hook_takes_in_forward_only_is_not_the_layers(mode):
+    """torch's ModuleTracker, which FlopCounterMode runs, registers a multi-grad hook on each module's inputs
+    in forward and not in the replay, taking a view (``view_as``, autograd on) of an input that is a leaf: a
+    view a hook takes computes nothing and is not the layer's program, so the tape does not shift by one op
+    (it raised RecomputeMismatchError: 'the forward ran aten.view.default, the recompute ran aten.t.default')."""
+    def step(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)  # a leaf, as a layer's
+        with flop_counter():
+            loss = model(x).square().sum()
+            loss.backward()
+        return loss, {"x": x.grad, **{name: p.grad for name, p in model.named_parameters()}}
+
+    reference = step(Stack(BiasedMlp, num_blocks=3))
+    model = Stack(BiasedMlp, num_blocks=3)
+    hyperac.apply(model, mode=mode, layers="blocks")
+    assert_parity(reference, step(model))
 
 
 def test_auto_plans_over_the_stacks_hooks():

@@ -57,7 +57,9 @@ def test_the_cache_costs_memory_here(base):
 def test_bucket_peaks_are_measured_with_the_cache_on_by_default(base):
     model = copy.deepcopy(base)
     plan = hyperac.apply(model, mode="auto", budget=0.6, sample=batch(16), max_seq_len=L, backend="cpu")
-    assert any("off" in bucket.modes and "full" in bucket.modes for bucket in plan.buckets), plan
+    # A bucket that keeps some layers' caches and recomputes others; which recompute mode is fastest is the
+    # host's timing (a busy host chose selective over full).
+    assert any("off" in bucket.modes and set(bucket.modes) - {"off"} for bucket in plan.buckets), plan
     for bucket in plan.buckets:
         measured = step_peak(model, batch(bucket.max_len))
         assert bucket.predicted_peak_bytes == pytest.approx(measured, rel=0.02), (bucket, measured)
