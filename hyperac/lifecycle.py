@@ -27,9 +27,9 @@ nothing, runs again in the replay wherever the hook runs again, and a hook may t
 (torch's ``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs
 through ``view_as`` in forward and not in backward, which shifted the tape by one op). A collective in a
 forward (Megatron's sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an
-``autograd.Function``) is the layer's and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is one
-a hook runs on the module's inputs or output (a tensor-parallel plan's hooks redistributing
-activations, ``DTensor.redistribute`` with autograd off); the same op run by a ZeRO-3 pre-hook on
+``autograd.Function``) is the layer's and kept like every collective (NOTE [Collectives by their
+schema] in op_identity.py), and so is one a hook runs on the module's inputs or output (a
+tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd off); the same op run by a ZeRO-3 pre-hook on
 parameter shards, which are neither, is not seen. What a hook derives from the module's inputs and
 output (a chunked, concatenated copy to reduce-scatter) counts as them.
 
