@@ -12,32 +12,31 @@ from its tape on the first layer that prefetches differently; kept, a parameter 
 the gathered parameters until backward. So the recording and replay modes do not see them: they run
 as the stack runs them, each time the stack runs them, and take no place on the tape.
 
-They are told from the layer's own ops by what runs them, not by their names (which no list keeps up
-with: ``fsdp::all_gather_copy_in``, DeepSpeed's ``slice`` and ``detach``, the next stack's own ops):
-an op run by a module hook (the code that ``nn.Module.__call__`` runs before or after the module's
-``forward``) with autograd off or on nothing autograd tracks (FSDP2 builds its unsharded parameters'
-views with autograd on); or an op run while a module's attribute is looked up
-(``nn.Module.__getattr__``, which runs no op of its own: ZeRO-3 replaces a module's parameter dict
-with one that gathers a parameter a forward reads outside its own module, PEFT's LoRA layer reading
-its adapter's ``weight.dtype``). A layer's program is what its ``forward`` runs, its sub-modules'
-forwards included; a hook's op on what autograd tracks (one that changes the module's output, a
-tensor-parallel hook redistributing its input) is part of it, and so is everything under
-``torch.no_grad()`` inside a forward. A view a hook takes is not, with autograd on or off: it computes
-nothing, runs again in the replay wherever the hook runs again, and a hook may take it in the forward only
-(torch's ``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs
-through ``view_as`` in forward and not in backward, which shifted the tape by one op). A collective in a
-forward (Megatron's sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an
-``autograd.Function``) is the layer's and kept like every collective (NOTE [Collectives by their
-schema] in op_identity.py), and so is one a hook runs on the module's inputs or output (a
-tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd off); the same op run by a ZeRO-3 pre-hook on
-parameter shards, which are neither, is not seen. What a hook derives from the module's inputs and
-output (a chunked, concatenated copy to reduce-scatter) counts as them.
+They are told from the layer's own ops by what runs them, not by their names (which no list keeps up with:
+``fsdp::all_gather_copy_in``, DeepSpeed's ``slice`` and ``detach``, the next stack's own ops): an op run by a
+module hook (the code that ``nn.Module.__call__`` runs before or after the module's ``forward``) with autograd
+off or on nothing autograd tracks (FSDP2 builds its unsharded parameters' views with autograd on); or an op
+run while a module's attribute is looked up (``nn.Module.__getattr__``, which runs no op of its own: ZeRO-3
+replaces a module's parameter dict with one that gathers a parameter a forward reads outside its own module,
+PEFT's LoRA layer reading its adapter's ``weight.dtype``). A layer's program is what its ``forward`` runs, its
+sub-modules' forwards included; a hook's op on what autograd tracks (one that changes the module's output, a
+tensor-parallel hook redistributing its input) is part of it, and so is everything under ``torch.no_grad()``
+inside a forward. A view a hook takes is not, with autograd on or off: it computes nothing, runs again in the
+replay wherever the hook runs again, and a hook may take it in the forward only (torch's ``ModuleTracker``,
+which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs through ``view_as`` in
+forward and not in backward, which shifted the tape by one op). A collective in a forward (Megatron's
+sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is
+the layer's and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is
+one a hook runs on the module's inputs or output (a tensor-parallel plan's hooks redistributing activations,
+``DTensor.redistribute`` with autograd off); the same op run by a ZeRO-3 pre-hook on parameter shards, which
+are neither, is not seen. What a hook derives from the module's inputs and output (a chunked, concatenated
+copy to reduce-scatter) counts as them.
 
 The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or
 the ``inner`` function it runs when hooks are registered) tells by its current line whether it is
 calling the module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops with an
-argument autograd tracks (most of a layer's, on its activations) are the layer's without the look;
-the others pay for a few frames up (under a microsecond). The package whose code the hook runs names
+argument autograd tracks (most of a layer's, on its activations) are the layer's without the look, views
+excepted; the others pay for a few frames up (under a microsecond). The package whose code the hook runs names
 the stack in the error of a replay that still diverges (:func:`stacks_note`): a hook's op on tracked
 tensors that the replay does not run again, which no rule here can tell from the layer's own.
 """
