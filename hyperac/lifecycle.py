@@ -21,10 +21,11 @@ replaces a module's parameter dict with one that gathers a parameter a forward r
 PEFT's LoRA layer reading its adapter's ``weight.dtype``). A layer's program is what its ``forward`` runs, its
 sub-modules' forwards included; a hook's op on what autograd tracks (one that changes the module's output, a
 tensor-parallel hook redistributing its input) is part of it, and so is everything under ``torch.no_grad()``
-inside a forward. A view a hook takes is not, with autograd on or off: it computes nothing, runs again in the
-replay wherever the hook runs again, and a hook may take it in the forward only (torch's ``ModuleTracker``,
-which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs through ``view_as`` in
-forward and not in backward, which shifted the tape by one op). A collective in a forward (Megatron's
+inside a forward. A view a hook takes of a leaf is not, with autograd on or off: it computes nothing, runs
+again in the replay wherever the hook runs again, and a hook may take it in the forward only (torch's
+``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs in forward
+and not in backward, and finds a leaf input's gradient accumulator through ``view_as``, which shifted the
+tape by one op). A collective in a forward (Megatron's
 sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is
 the layer's and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is
 one a hook runs on the module's inputs or output (a tensor-parallel plan's hooks redistributing activations,
@@ -32,13 +33,13 @@ one a hook runs on the module's inputs or output (a tensor-parallel plan's hooks
 are neither, is not seen. What a hook derives from the module's inputs and output (a chunked, concatenated
 copy to reduce-scatter) counts as them.
 
-The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or
-the ``inner`` function it runs when hooks are registered) tells by its current line whether it is
-calling the module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops with an
-argument autograd tracks (most of a layer's, on its activations) are the layer's without the look, views
-excepted; the others pay for a few frames up (under a microsecond). The package whose code the hook runs names
-the stack in the error of a replay that still diverges (:func:`stacks_note`): a hook's op on tracked
-tensors that the replay does not run again, which no rule here can tell from the layer's own.
+The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or the
+``inner`` function it runs when hooks are registered) tells by its current line whether it is calling the
+module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops with an argument autograd
+tracks (most of a layer's, on its activations and parameters) are the layer's without the look, views of a
+leaf input excepted; the others pay for a few frames up (under a microsecond). The package whose code the hook
+runs names the stack in the error of a replay that still diverges (:func:`stacks_note`): a hook's op on
+tracked tensors that the replay does not run again, which no rule here can tell from the layer's own.
 """
 
 from __future__ import annotations
@@ -95,11 +96,13 @@ class HookOps:
 
     def owns(self, args: tuple, collective: bool, alias: bool = False) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
-        returns a view of its input and computes nothing) is a stack's, not the layer's. Call it from a
-        dispatch mode's ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where
-        it answers ``True``."""
-        if (not alias and torch.is_grad_enabled()
-                and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)):
+        returns a view of its input and computes nothing, so a view of a leaf other than a parameter is
+        looked up too) is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__``
+        through one method, and :meth:`ran` with the op's output where it answers ``True``."""
+        if torch.is_grad_enabled() and any(
+            isinstance(arg, torch.Tensor) and arg.requires_grad
+            and not (alias and arg.is_leaf and not isinstance(arg, nn.Parameter)) for arg in args
+        ):
             return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
         frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
         walked: list[types.FrameType] = []
