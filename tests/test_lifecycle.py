@@ -158,6 +158,24 @@ def test_auto_leaves_the_stacks_parameter_bookkeeping():
         assert_parity(step, train_step(model, loss_fn))
 
 
+def test_containers_of_parameters_are_left_as_the_stack_left_them():
+    """A replay's snapshot puts back a module's containers (an auxiliary-loss list), but leaves those that hold
+    parameters, before or after, as the stack left them: one it registered a parameter in (ZeRO-3's external
+    parameters), one it unregistered a parameter from (ZeRO-3 moves a dangling parameter to the outer module)."""
+    from hyperac.replay.python_state import PythonState
+
+    module = nn.Linear(2, 2)
+    module.registered, module.unregistered, module.losses = {}, {id(module.weight): module.weight}, []
+    snapshot = PythonState([module], (), {})
+    module.registered[id(module.bias)] = module.bias
+    module.unregistered.clear()
+    module.losses.append(torch.ones(()))
+    snapshot.put_back()
+    assert list(map(id, module.registered.values())) == [id(module.bias)]
+    assert not module.unregistered
+    assert not module.losses
+
+
 def test_hooks_hyperac_cannot_tell_name_the_stack_and_full_mode():
     """A hook's op on what autograd tracks looks like the layer's own: the replay, which does not run it,
     diverges, and the error names the package whose hooks ran (this file) and ``mode='full'``, not a
