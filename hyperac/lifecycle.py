@@ -39,7 +39,9 @@ module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops 
 tracks (most of a layer's, on its activations and parameters) are the layer's without the look, views of a
 leaf input excepted; the others pay for a few frames up (under a microsecond). The package whose code the hook
 runs names the stack in the error of a replay that still diverges (:func:`stacks_note`): a hook's op on
-tracked tensors that the replay does not run again, which no rule here can tell from the layer's own.
+tracked tensors that the replay does not run again, which no rule here can tell from the layer's own. The Python state a stack keeps on modules
+about which parameters they gather is not the layer's either: replays and profiling leave it as the stack
+left it (NOTE [Parameter bookkeeping is the stack's] in replay/python_state.py).
 """
 
 from __future__ import annotations

@@ -129,6 +129,73 @@ def test_auto_plans_over_the_stacks_hooks():
     assert_parity(reference, train_step(model, loss_fn))
 
 
+TRACE: dict[str, dict[int, frozenset[int]]] = {}
+"""The toy stack's fetch trace (``recording``, then ``recorded``): outside the model and its hooks' reach,
+as ZeRO-3's coordinator is."""
+
+
+def traced_fetches(model: nn.Module) -> nn.Module:
+    """ZeRO-3's external-parameter bookkeeping and fetch trace in miniature: each Linear keeps a dict of the
+    parameters it fetches (ZeRO-3's ``module._external_params``), filled as the stack first gathers them;
+    the first step records each module's dict, and every later step checks it against that record, as
+    ZeRO-3's coordinator checks its fetch queue ("tracing error")."""
+    TRACE.clear()
+    TRACE["recording"] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.fetches = {}
+            module.register_forward_pre_hook(_fetch)
+    model.register_forward_pre_hook(_new_step)
+    return model
+
+
+def _new_step(module: nn.Module, args: tuple) -> None:
+    if "recorded" not in TRACE and TRACE["recording"]:
+        TRACE["recorded"] = TRACE["recording"]
+
+
+def _fetch(module: nn.Module, args: tuple) -> None:
+    if "recorded" not in TRACE:  # recording: the stack gathers the weight and registers it
+        module.fetches.setdefault(id(module.weight), module.weight)
+        TRACE["recording"][id(module)] = frozenset(module.fetches)
+    elif frozenset(module.fetches) != TRACE["recorded"][id(module)]:
+        raise RuntimeError(f"tracing error: a Linear fetches {len(module.fetches)} parameters, "
+                           f"the trace {len(TRACE['recorded'][id(module)])}")
+
+
+def test_auto_leaves_the_stacks_parameter_bookkeeping():
+    """``auto``'s profiled steps record the stack's trace and fill its per-module dicts of the parameters it
+    fetches; profiling puts back the model's Python state, but not those dicts (NOTE [Parameter bookkeeping
+    is the stack's]), so the next step fetches as the trace says and is exact. Putting them back to the
+    empty dicts raised the stack's tracing error, as ZeRO-3 did under ``auto`` with LoRA."""
+    loss_fn = lm_loss(seq=16)
+    reference = traced_fetches(tiny_llama(num_layers=2))
+    expected = [train_step(reference, loss_fn) for _ in range(2)]
+    model = traced_fetches(tiny_llama(num_layers=2))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    hyperac.apply(model, mode="auto", budget=0.8, sample={"input_ids": ids, "labels": ids})
+    for step in expected:
+        assert_parity(step, train_step(model, loss_fn))
+
+
+def test_containers_of_parameters_are_left_as_the_stack_left_them():
+    """A replay's snapshot puts back a module's containers (an auxiliary-loss list), but leaves those that hold
+    parameters, before or after, as the stack left them: one it registered a parameter in (ZeRO-3's external
+    parameters), one it unregistered a parameter from (ZeRO-3 moves a dangling parameter to the outer module)."""
+    from hyperac.replay.python_state import PythonState
+
+    module = nn.Linear(2, 2)
+    module.registered, module.unregistered, module.losses = {}, {id(module.weight): module.weight}, []
+    snapshot = PythonState([module], (), {})
+    module.registered[id(module.bias)] = module.bias
+    module.unregistered.clear()
+    module.losses.append(torch.ones(()))
+    snapshot.put_back()
+    assert list(map(id, module.registered.values())) == [id(module.bias)]
+    assert not module.unregistered
+    assert not module.losses
+
+
 def test_hooks_hyperac_cannot_tell_name_the_stack_and_full_mode():
     """A hook's op on what autograd tracks looks like the layer's own: the replay, which does not run it,
     diverges, and the error names the package whose hooks ran (this file) and ``mode='full'``, not a

@@ -31,7 +31,8 @@ since: an auxiliary-loss list its parent read and emptied stays empty, also wher
 it was empty too): the forward changed the state once, and the replay read what the forward read. One
 exception: an attribute the forward turned into a sub-module, parameter or buffer (``self.proj = None``,
 built on the first call) stays the one the forward built. The snapshot holds references to the values it
-saw (no copies) until the region's backward is done.
+saw (no copies) until the region's backward is done. A container that holds parameters is a sharding stack's
+bookkeeping, left as it is (NOTE [Parameter bookkeeping is the stack's]).
 
 Not reached: module-level globals (a hook appending to a global list), class attributes
 (``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak
@@ -383,6 +384,8 @@ class _Contents(_Entry):
 
     def put(self, contents: Any) -> None:
         kind = type(self.target)
+        if _holds_parameters(contents) or _holds_parameters(_contents(self.target)):
+            return  # NOTE [Parameter bookkeeping is the stack's]
         if issubclass(kind, list):
             self.target[:] = contents
         elif issubclass(kind, collections.deque):
@@ -401,6 +404,31 @@ class _Contents(_Entry):
                         object.__delattr__(self.target, name)
                 else:
                     object.__setattr__(self.target, name, item)
+
+
+# NOTE [Parameter bookkeeping is the stack's]
+# A list, deque, set or dict that holds a parameter, when the snapshot is taken or when it would be put
+# back, is left as it is: in a replay, and when profiling ends (planner/restore.py). Which parameters a
+# container holds is a parameter lifecycle's bookkeeping (NOTE [Parameter lifecycles are not the layer's
+# program] in lifecycle.py), kept in step with the stack's own records, not the layer's Python state:
+# DeepSpeed ZeRO-3 registers a parameter a module reads outside its own forward (PEFT's LoRA layer reading
+# its adapter's weight) in a dict on that module as it first gathers it, and its coordinator records that
+# module's fetches, with the parameter, in the trace it checks each later step against. Put back to the
+# empty dict the snapshot saw, the module no longer fetches what the trace says it does, and the next step
+# that prefetches the parameter fails ZeRO-3's trace check ("tracing error ... expected the next 1
+# parameters in the parameter fetch queue"): ``auto`` on a ZeRO-3 engine's LoRA model, whose profiled
+# steps made the trace. Told by what the container holds, as lifecycle.py tells a stack's ops by what they
+# do, not by the stack's names. Given up: a forward or hook that appends parameters to a list of its own
+# appends them again in each replay.
+
+
+def _holds_parameters(contents: Any) -> bool:
+    """Whether a list, deque, set or dict (its values) holds a parameter (NOTE [Parameter bookkeeping is
+    the stack's])."""
+    if not isinstance(contents, _CONTAINERS):
+        return False
+    items = contents.values() if isinstance(contents, dict) else contents
+    return any(isinstance(item, nn.Parameter) for item in items)
 
 
 class _Generator(_Entry):
