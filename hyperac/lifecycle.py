@@ -24,14 +24,13 @@ tensor-parallel hook redistributing its input) is part of it, and so is everythi
 inside a forward. A view a hook takes of a leaf is not, with autograd on or off: it computes nothing, runs
 again in the replay wherever the hook runs again, and a hook may take it in the forward only (torch's
 ``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs in forward
-and not in backward, and finds a leaf input's gradient accumulator through ``view_as``, which shifted the
-tape by one op). A collective in a forward (Megatron's
-sequence-parallel all-gather of activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is
-the layer's and kept like every collective (NOTE [Collectives by their schema] in op_identity.py), and so is
-one a hook runs on the module's inputs or output (a tensor-parallel plan's hooks redistributing activations,
-``DTensor.redistribute`` with autograd off); the same op run by a ZeRO-3 pre-hook on parameter shards, which
-are neither, is not seen. What a hook derives from the module's inputs and output (a chunked, concatenated
-copy to reduce-scatter) counts as them.
+and not in backward, and finds a leaf input's gradient accumulator through ``view_as``, which shifted the tape
+by one op). A collective in a forward (Megatron's sequence-parallel all-gather of activations,
+``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's and kept like every collective
+(NOTE [Collectives by their schema] in op_identity.py), and so is one a hook runs on the module's inputs or
+output (a tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd
+off); the same op run by a ZeRO-3 pre-hook on parameter shards, which are neither, is not seen. What a hook
+derives from the module's inputs and output (a chunked, concatenated copy to reduce-scatter) counts as them.
 
 The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or the
 ``inner`` function it runs when hooks are registered) tells by its current line whether it is calling the
@@ -39,9 +38,10 @@ module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops 
 tracks (most of a layer's, on its activations and parameters) are the layer's without the look, views of a
 leaf input excepted; the others pay for a few frames up (under a microsecond). The package whose code the hook
 runs names the stack in the error of a replay that still diverges (:func:`stacks_note`): a hook's op on
-tracked tensors that the replay does not run again, which no rule here can tell from the layer's own. The Python state a stack keeps on modules
-about which parameters they gather is not the layer's either: replays and profiling leave it as the stack
-left it (NOTE [Parameter bookkeeping is the stack's] in replay/python_state.py).
+tracked tensors that the replay does not run again, which no rule here can tell from the layer's own. The
+Python state a stack keeps on modules about which parameters they gather is not the layer's either: replays
+and profiling leave it as the stack left it (NOTE [Parameter bookkeeping is the stack's] in
+replay/python_state.py).
 """
 
 from __future__ import annotations
