@@ -50,12 +50,12 @@ class RegionSaves:
     """While entered, the one hook pair of a region's forward (``replaying=False``) or replay (NOTE [One
     hook pair per region]); with no hooks in effect (no checkpoint around), nothing changes."""
 
-    __slots__ = ("check", "pack", "pushed", "replaying")
+    __slots__ = ("pack", "pushed", "replaying", "saved")
 
     def __init__(self, replaying: bool) -> None:
         self.replaying = replaying
         self.pushed = False
-        self.check: Any = None
+        self.saved: Callable[[torch.Tensor], None] | None = None
         self.pack: Callable[[torch.Tensor], Any] | None = None
 
     def __enter__(self) -> None:
@@ -63,7 +63,8 @@ class RegionSaves:
         if outer is None:
             return
         self.pack, unpack = outer
-        self.check = armed_check()
+        check = armed_check()
+        self.saved = None if check is None else check.saved
         frame = None if self.replaying else checkpoint_frame(unpack)
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, functools.partial(_unpack, frame, unpack))
         self.pushed = True
@@ -72,13 +73,13 @@ class RegionSaves:
         if self.pushed:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self.pushed = False
-            self.pack = self.check = None
+            self.pack = self.saved = None
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if type(tensor) not in _PLAIN and is_fake(tensor):
             return _Fake(tensor.detach())
-        if self.check is not None:
-            self.check.saved(tensor)
+        if self.saved is not None:
+            self.saved(tensor)
         return self.pack(tensor)  # type: ignore[misc]
 
 
