@@ -100,7 +100,9 @@ def _plain(value: Any) -> bool:
     return _plain_kind(type(value))
 
 
+@functools.lru_cache(maxsize=1024)
 def _plain_kind(kind: type) -> bool:
+    """:func:`_plain` by type (a cache: read at every snapshot and put back)."""
     package = (kind.__module__ or "").partition(".")[0]
     return package != "builtins" and package not in _WATCHERS and not issubclass(kind, _OPAQUE)
 
@@ -421,6 +423,17 @@ class _Contents(_Entry):
 
     def now(self) -> Any:
         return _contents(self.target)
+
+    def holds(self, contents: Any) -> bool:
+        """:meth:`_Entry.holds`, on the live list, deque, dict or ``__dict__`` (no copy)."""
+        target = self.target
+        if type(contents) is dict:
+            live = target if isinstance(target, dict) else _state_of(target)
+            if live is not None:
+                return _same_dict(live, contents)
+        elif type(contents) in (list, collections.deque):
+            return len(target) == len(contents) and all(map(operator.is_, target, contents))
+        return super().holds(contents)
 
     def put(self, contents: Any) -> None:
         kind = type(self.target)
