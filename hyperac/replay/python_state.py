@@ -31,7 +31,10 @@ since: an auxiliary-loss list its parent read and emptied stays empty, also wher
 it was empty too): the forward changed the state once, and the replay read what the forward read. One
 exception: an attribute the forward turned into a sub-module, parameter or buffer (``self.proj = None``,
 built on the first call) stays the one the forward built. The snapshot holds references to the values it
-saw (no copies) until the region's backward is done.
+saw (no copies) until the region's backward is done. Its cost is per entry, in every layer invocation: each
+module the region runs is one entry (attributes, ``requires_grad`` flags, hook tables), and a put-back
+compares each entry with the live state without copying it, one Python call per entry where nothing
+changed (benchmarks/host_overhead.py).
 
 Not reached: module-level globals (a hook appending to a global list), class attributes
 (``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak
@@ -322,6 +325,7 @@ def _same_dict(state: dict[str, Any], values: dict[str, Any]) -> bool:
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+_is_set = functools.partial(operator.is_not, None)
 
 
 class _Module(_Attributes):
@@ -337,16 +341,21 @@ class _Module(_Attributes):
     __slots__ = ("parameters",)
 
     def __init__(self, module: nn.Module) -> None:
-        self.parameters = tuple(parameter for parameter in module._parameters.values() if parameter is not None)
-        super().__init__(module)
+        self.parameters = tuple(filter(_is_set, module._parameters.values()))
+        self.target = module
+        self.values = self.now()
 
     def now(self) -> tuple[dict[str, Any], tuple[bool, ...], tuple[tuple[str, int, Any, tuple[bool, ...]], ...]]:
-        return self.target.__dict__.copy(), tuple(map(_requires_grad, self.parameters)), self._hooks()
+        module = self.target
+        return (module.__dict__.copy(), tuple(map(_requires_grad, self.parameters)),
+                self._hooks() if module._forward_pre_hooks or module._forward_hooks else ())
 
     def holds(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple]) -> bool:
         attributes, flags, hooks = values
         module = self.target
-        return (_same_dict(module.__dict__, attributes) and tuple(map(_requires_grad, self.parameters)) == flags
+        state = module.__dict__  # _same_dict, inlined: one Python call per module and put-back
+        return (len(state) == len(attributes) and all(map(operator.is_, state.values(), attributes.values()))
+                and all(map(operator.is_, state, attributes)) and tuple(map(_requires_grad, self.parameters)) == flags
                 and ((not hooks and not (module._forward_pre_hooks or module._forward_hooks))
                      or _same(self._hooks(), hooks)))
 

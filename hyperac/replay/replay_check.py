@@ -54,7 +54,7 @@ import torch
 
 from ..errors import RecomputeMismatchError
 
-__all__ = ["armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts"]
+__all__ = ["RESHAPES", "armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts", "maker"]
 
 _LIKELY_CAUSES = (
     "The layer's training forward reads state that changed between its forward and its replay and that hyperac "
@@ -98,21 +98,21 @@ def cast_of_a_leaf(op: Any, args: tuple, kwargs: dict | None = None) -> bool:
             and dtype != source.dtype)
 
 
-_RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0",
+RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0",
                        "AsStridedBackward0"})
 """Nodes of ops that only give a tensor another shape over the same storage: which of them ``reshape``
 becomes depends on what dispatches it (a dispatch mode active in forward, such as a memory meter, and not
 in the replay, or the other way round), so they are one maker, ``"a reshape"``."""
 
 
-def _maker(tensor: torch.Tensor, first: int) -> str | None:
+def maker(tensor: torch.Tensor, first: int) -> str | None:
     """The name of the autograd node that made ``tensor`` in the region that started at sequence number
     ``first``, or ``None`` for a tensor made outside it (or an autocast cast of a leaf)."""
     node = tensor.grad_fn
     if node is None or node._sequence_nr() < first:
         return None
     name = node.name()
-    if name in _RESHAPES:
+    if name in RESHAPES:
         return "a reshape"
     if name == "ToCopyBackward0":
         source = node.next_functions[0][0] if node.next_functions else None
@@ -143,8 +143,8 @@ class _Fingerprint:
 
 class _Hooked:
     """Sees each tensor saved for backward while entered, through the region's hook pair (NOTE [One hook
-    pair per region] in region_saves.py), which takes it with :func:`armed_check` as the region starts, and
-    lists its fingerprint in :attr:`entries`."""
+    pair per region] in region_saves.py), which takes it with :func:`armed_check` as the region starts and
+    lists each tensor's fingerprint in :attr:`entries`: ``(maker(tensor, first), shape, dtype)``."""
 
     def __init__(self, fingerprint: _Fingerprint) -> None:
         self.fingerprint = fingerprint
@@ -158,20 +158,6 @@ class _Hooked:
 
     def __exit__(self, *exc: Any) -> None:
         _armed.reset(self.token)
-
-    def saved(self, tensor: torch.Tensor) -> None:
-        """List the fingerprint of ``tensor``, saved for backward (:func:`_maker` inlined: one Python call per
-        tensor, nothing compared yet)."""
-        node = tensor.grad_fn
-        if node is None or node._sequence_nr() < self.first:
-            maker = None
-        else:
-            maker = node.name()
-            if maker in _RESHAPES:
-                maker = "a reshape"
-            elif maker == "ToCopyBackward0":
-                maker = _maker(tensor, self.first)
-        self.entries.append((maker, tensor.shape, tensor.dtype))
 
 
 _armed: contextvars.ContextVar[_Hooked | None] = contextvars.ContextVar("hyperac_armed_check", default=None)
