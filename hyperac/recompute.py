@@ -321,13 +321,18 @@ class _CacheAsBefore:
 
 def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     for position, value in enumerate(args):
-        for tensor in tree_leaves(value):
+        for tensor in _leaves(value):
             if isinstance(tensor, torch.Tensor):
                 yield f"positional argument {position}", tensor
     for name, value in kwargs.items():
-        for tensor in tree_leaves(value) if name not in CACHE_KWARGS else ():
+        for tensor in _leaves(value) if name not in CACHE_KWARGS else ():
             if isinstance(tensor, torch.Tensor):
                 yield f"argument {name}=", tensor
+
+
+def _leaves(value: Any) -> Any:
+    """``tree_leaves(value)``, a tensor or ``None`` (the usual arguments) told apart without pytree's cost."""
+    return (value,) if value is None or type(value) in (torch.Tensor, nn.Parameter) else tree_leaves(value)
 
 
 def _with_own_counters(args: tuple) -> tuple:

@@ -1102,3 +1102,33 @@ def test_sim_step_without_the_wait_on_the_reload_is_caught(monkeypatch):
     with pytest.raises(SimRaceError, match=r"\(compute\) on sim:0 compute reads a buffer that copy #\d+ on "
                        r"sim:0 side stream \d+ writes, and sim:0 compute never waited"):
         sim_swap_step(2**-13)
+
+
+def test_a_meta_estimate_costs_each_recomputed_layer_invocation(monkeypatch):
+    """On ``meta`` a layer's host time is its ops' dispatch plus, in every mode that recomputes, the measured
+    constant of a region invocation (the snapshot, its put-backs, checkpoint's frame, planner/dispatch.py):
+    on a host-bound geometry (tiny kernels on an H100) that constant is in the step ``auto`` weighs, once
+    per recomputed layer and not for ``off``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hyperac.planner import auto
+    from hyperac.planner.dispatch import HostCosts
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    estimates = {}
+    for per_region in (0.0, 1e-3):
+        monkeypatch.setattr(auto, "host_costs", lambda *args, per_region=per_region: HostCosts(
+            per_op=2e-6, per_recorded_op=1e-6, per_region=per_region))
+        estimates[per_region] = hyperac.estimate(model, {"input_ids": ids, "labels": ids}, backend="cpu",
+                                                 device_profile="h100")
+    without, measured = estimates[0.0], estimates[1e-3]
+    for before, after in zip(without.layers, measured.layers):
+        assert after.seconds["off"] == before.seconds["off"]
+        for mode in ("pointwise", "selective", "selective-even", "full"):
+            assert after.seconds[mode] == pytest.approx(before.seconds[mode] + 1e-3, rel=1e-9), mode
+    assert measured.step_seconds(["full", "off"]) == pytest.approx(without.step_seconds(["full", "off"]) + 1e-3)
+    assert "+1000 us per recomputed layer" in measured.timing

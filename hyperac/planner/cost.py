@@ -15,7 +15,8 @@ A plan's entry per layer is a mode or a swap option (:data:`SWAP_OPTIONS`, NOTE 
 Seconds are measured on real tensors (the layers timed at their boundaries, without the profiler:
 everything a mode costs, its dispatch overhead included). On ``meta`` they are a roofline on a
 :class:`~hyperac.planner.devices.DeviceProfile` plus the host cost per op measured on this host
-(:mod:`.dispatch`): eager ops, and for selective modes each recorded and replayed op.
+(:mod:`.dispatch`): eager ops, for selective modes each recorded and replayed op, and for every mode that
+recomputes a constant per layer invocation.
 """
 
 from __future__ import annotations
@@ -213,6 +214,8 @@ def _layer_seconds(position: int, mode: str, profiles: dict[str, ModeProfile], d
         return profile.seconds.get(position, 0.0)
     ops = profile.forward_ops.get(position, 0) + profile.backward_ops.get(position, 0)
     host_seconds = ops * host.per_op
+    if mode != "off":
+        host_seconds += host.per_region
     if mode in _RECORDING_MODES:
         host_seconds += profile.forward_ops.get(position, 0) * host.per_recorded_op
     device_seconds = device.seconds(profile.work.get(position, ()))

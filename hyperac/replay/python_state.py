@@ -32,7 +32,10 @@ it was empty too): the forward changed the state once, and the replay read what 
 exception: an attribute the forward turned into a sub-module, parameter or buffer (``self.proj = None``,
 built on the first call) stays the one the forward built. The snapshot holds references to the values it
 saw (no copies) until the region's backward is done. A container that holds parameters is a sharding stack's
-bookkeeping, left as it is (NOTE [Parameter bookkeeping is the stack's]).
+bookkeeping, left as it is (NOTE [Parameter bookkeeping is the stack's]). Its cost is per entry, in every
+layer invocation: each module the region runs is one entry (attributes, ``requires_grad`` flags, hook
+tables), and a put-back compares each entry with the live state without copying it, one Python call per entry
+where nothing changed (benchmarks/host_overhead.py).
 
 Not reached: module-level globals (a hook appending to a global list), class attributes
 (``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak
@@ -101,7 +104,9 @@ def _plain(value: Any) -> bool:
     return _plain_kind(type(value))
 
 
+@functools.lru_cache(maxsize=1024)
 def _plain_kind(kind: type) -> bool:
+    """:func:`_plain` by type (a cache: read at every snapshot and put back)."""
     package = (kind.__module__ or "").partition(".")[0]
     return package != "builtins" and package not in _WATCHERS and not issubclass(kind, _OPAQUE)
 
@@ -275,6 +280,12 @@ class _Entry:
     def put(self, values: Any) -> None:
         raise NotImplementedError
 
+    def holds(self, values: Any) -> bool:
+        """Whether ``target``'s state is ``values``, by identity (tensors never compared by value; generators
+        by state)."""
+        now = self.now()
+        return now is values or _same(now, values)
+
 
 class _Attributes(_Entry):
     """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity. Read as a
@@ -286,9 +297,15 @@ class _Attributes(_Entry):
     def now(self) -> dict[str, Any]:
         return self.target.__dict__.copy()
 
+    def holds(self, values: dict[str, Any]) -> bool:
+        """:meth:`_Entry.holds`, on the live ``__dict__`` (no copy)."""
+        return _same_dict(self.target.__dict__, values)
+
     def own(self) -> list[Any]:
-        """The values of the attributes the snapshot restores."""
-        return [value for name, value in self.values.items() if name not in _MODULE_BOOKKEEPING]
+        """The values of the attributes the snapshot restores that may hold Python state (numbers and
+        strings left out: they hold nothing to look into)."""
+        return [value for name, value in self.values.items()
+                if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
 
     def put(self, values: dict[str, Any]) -> None:
         """Set the attributes to ``values``, but for a name the forward has since made a sub-module,
@@ -302,15 +319,61 @@ class _Attributes(_Entry):
                      if name not in registered and name not in _MODULE_BOOKKEEPING)
 
 
-class _Hooks(_Entry):
-    """The user's forward hooks and pre-hooks of a module, with their ``with_kwargs`` / ``always_call``
-    flags, by handle id (torch's and hyperac's own are left as they are): a hook the forward removed (a
-    one-shot calibration hook) or registered (lazily, on its first call), or one removed between forward
-    and backward, is as it was for the replay. One put back goes after the hooks its table holds."""
+def _same_dict(state: dict[str, Any], values: dict[str, Any]) -> bool:
+    """Whether ``state`` holds the keys and values of ``values``, in the same order, by identity."""
+    return (len(state) == len(values) and all(map(operator.is_, state.values(), values.values()))
+            and all(map(operator.is_, state, values)))
 
-    __slots__ = ()
 
-    def now(self) -> tuple[tuple[str, int, Any, tuple[bool, ...]], ...]:
+_requires_grad = operator.attrgetter("requires_grad")
+_is_set = functools.partial(operator.is_not, None)
+
+
+class _Module(_Attributes):
+    """A module the region runs, as one entry (one Python call per module to read, to compare with the
+    snapshot, or to set back): its attributes (:class:`_Attributes`); whether each of its parameters
+    requires grad (a parameter frozen between the forward and the backward was recorded requiring it); and
+    the user's forward hooks and pre-hooks, with their ``with_kwargs`` / ``always_call`` flags, by handle id
+    (torch's and hyperac's own are left as they are): a hook the forward removed (a one-shot calibration
+    hook) or registered (lazily, on its first call), or one removed between forward and backward, is as it
+    was for the replay. One put back goes after the hooks its table holds. ``values`` is ``(attributes,
+    flags, hooks)``."""
+
+    __slots__ = ("parameters",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.parameters = tuple(filter(_is_set, module._parameters.values()))
+        self.target = module
+        self.values = self.now()
+
+    def now(self) -> tuple[dict[str, Any], tuple[bool, ...], tuple[tuple[str, int, Any, tuple[bool, ...]], ...]]:
+        module = self.target
+        return (module.__dict__.copy(), tuple(map(_requires_grad, self.parameters)),
+                self._hooks() if module._forward_pre_hooks or module._forward_hooks else ())
+
+    def holds(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple]) -> bool:
+        attributes, flags, hooks = values
+        module = self.target
+        state = module.__dict__  # _same_dict, inlined: one Python call per module and put-back
+        return (len(state) == len(attributes) and all(map(operator.is_, state.values(), attributes.values()))
+                and all(map(operator.is_, state, attributes)) and tuple(map(_requires_grad, self.parameters)) == flags
+                and ((not hooks and not (module._forward_pre_hooks or module._forward_hooks))
+                     or _same(self._hooks(), hooks)))
+
+    def own(self) -> list[Any]:
+        return [value for name, value in self.values[0].items()
+                if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
+
+    def put(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple]) -> None:
+        attributes, flags, hooks = values
+        super().put(attributes)
+        for parameter, flag in zip(self.parameters, flags):
+            if parameter.requires_grad is not flag:
+                parameter.requires_grad_(flag)
+        if not _same(self._hooks(), hooks):
+            self._put_hooks(hooks)
+
+    def _hooks(self) -> tuple[tuple[str, int, Any, tuple[bool, ...]], ...]:
         module = self.target
         if not (module._forward_pre_hooks or module._forward_hooks):
             return ()
@@ -318,7 +381,7 @@ class _Hooks(_Entry):
                      for table, flags in _HOOK_TABLES.items()
                      for key, hook in getattr(module, table).items() if _users(hook))
 
-    def put(self, hooks: tuple[tuple[str, int, Any, tuple[bool, ...]], ...]) -> None:
+    def _put_hooks(self, hooks: tuple[tuple[str, int, Any, tuple[bool, ...]], ...]) -> None:
         module = self.target
         kept = {(table, key) for table, key, _, _ in hooks}
         for table, flags in _HOOK_TABLES.items():
@@ -341,20 +404,6 @@ _HOOK_TABLES = {"_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
 """A module's forward hook tables, each with the tables of its hooks' flags (by handle id)."""
 
 
-class _RequiresGrad(_Entry):
-    """Whether each parameter of a module the region runs requires grad (a parameter frozen between the
-    forward and the backward was recorded requiring it): ``target`` is the parameters."""
-
-    __slots__ = ()
-
-    def now(self) -> tuple[bool, ...]:
-        return tuple(parameter.requires_grad for parameter in self.target)
-
-    def put(self, flags: tuple[bool, ...]) -> None:
-        for parameter, flag in zip(self.target, flags):
-            parameter.requires_grad_(flag)
-
-
 class _Cell(_Entry):
     """A hook's closure variable (``nonlocal count``)."""
 
@@ -365,6 +414,9 @@ class _Cell(_Entry):
             return self.target.cell_contents
         except ValueError:  # not bound yet
             return _MISSING
+
+    def holds(self, value: Any) -> bool:
+        return self.now() is value
 
     def put(self, value: Any) -> None:
         if value is _MISSING:
@@ -381,6 +433,17 @@ class _Contents(_Entry):
 
     def now(self) -> Any:
         return _contents(self.target)
+
+    def holds(self, contents: Any) -> bool:
+        """:meth:`_Entry.holds`, on the live list, deque, dict or ``__dict__`` (no copy)."""
+        target = self.target
+        if type(contents) is dict:
+            live = target if isinstance(target, dict) else _state_of(target)
+            if live is not None:
+                return _same_dict(live, contents)
+        elif type(contents) in (list, collections.deque):
+            return len(target) == len(contents) and all(map(operator.is_, target, contents))
+        return super().holds(contents)
 
     def put(self, contents: Any) -> None:
         kind = type(self.target)
@@ -607,7 +670,7 @@ class PythonState:
     def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
         self.entries: list[_Entry] = []
         self.seen: set[int] = set()
-        self.found: list[list[tuple[_Entry, Any]]] = []
+        self.found: list[list[Any]] = []
         own = list(modules)
         self.seen.update(map(id, own))
         found: list[nn.Module] = []
@@ -632,18 +695,15 @@ class PythonState:
     def _add_module(self, module: nn.Module, walked: set[int]) -> list[nn.Module]:
         """Snapshot ``module``'s attributes (each with :meth:`_add_deep`), its parameters' ``requires_grad``,
         its hook tables and what its hooks hold; returns the modules among its attributes."""
-        attributes = _Attributes(module)
+        attributes = _Module(module)
         self.entries.append(attributes)
-        parameters = tuple(parameter for parameter in module._parameters.values() if parameter is not None)
-        if parameters:
-            self.entries.append(_RequiresGrad(parameters))
-        self.entries.append(_Hooks(module))
         held = []
         for value in attributes.own():
             held.extend(_modules_in(value, walked))
             self._add_deep(value)
-        for value in _hook_holders((*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
-            self._add_held(value)
+        if module._forward_pre_hooks or module._forward_hooks:
+            for value in _hook_holders((*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
+                self._add_held(value)
         return held
 
     def _add_held(self, value: Any) -> None:
@@ -713,12 +773,15 @@ class PythonState:
         if contents.values is not _MISSING:
             self.entries.append(contents)
 
-    def put_back(self) -> list[tuple[Any, Any]]:
-        """Make the state what it was when this snapshot was taken; returns each entry with the state it
-        had just before (what a replay leaves behind)."""
-        found = [(entry, entry.now()) for entry in self.entries]
-        for entry, now in found:
-            if _differs(now, entry.values, entry):
+    def put_back(self) -> list[Any]:
+        """Make the state what it was when this snapshot was taken; returns the state each entry had just
+        before (what a replay leaves behind), one Python call per entry where it is the snapshot's."""
+        found = []
+        for entry in self.entries:
+            if entry.holds(entry.values):
+                found.append(entry.values)
+            else:
+                found.append(entry.now())
                 entry.put(entry.values)
         return found
 
@@ -726,10 +789,6 @@ class PythonState:
         self.found.append(self.put_back())
 
     def __exit__(self, *exc: Any) -> None:
-        for entry, value in reversed(self.found.pop()):
-            if _differs(entry.now(), value, entry):
+        for entry, value in zip(reversed(self.entries), reversed(self.found.pop())):
+            if not entry.holds(value):
                 entry.put(value)
-
-
-def _differs(now: Any, then: Any, entry: _Entry) -> bool:
-    return now is not then and (type(entry) is _Cell or not _same(now, then))

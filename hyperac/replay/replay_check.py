@@ -13,11 +13,14 @@ region's one hook pair in front of checkpoint's own, NOTE [One hook pair per reg
 no dispatch mode): the autograd node that made it (``SigmoidBackward0``), or "made outside the region"
 (an input, a parameter, a tensor made before the region started, an autocast cast of a leaf), its shape
 and its dtype. The replay fingerprints what it
-saves the same way and compares each entry with the forward's as it is saved, so the first difference
-raises :class:`~hyperac.RecomputeMismatchError` naming the layer, the position, the ops that made both
-tensors and the likely causes, before a wrong gradient. A replay that ends having saved fewer tensors
-than the forward is a divergence too. The cost is one Python call per saved tensor in forward and in
-replay, about 1 µs each (benchmarks/host_overhead.py measures it per layer). Torch's own check (the
+saves the same way, and as it ends (inside checkpoint's unpack, before any tensor it saved reaches a
+gradient) its list is compared with the forward's: in one comparison where they are equal, entry by entry
+where not, so the first difference raises :class:`~hyperac.RecomputeMismatchError` naming the layer, the
+position, the ops that made both tensors and the likely causes. A replay that raised on the way (torch's
+"trying to save more tensors", an op given another shape) is compared as far as it got, its error the
+cause of the divergence found there; one that ends having saved fewer tensors than the forward is a
+divergence too. The cost is one Python call per saved tensor in forward and in replay, under 1 µs each
+(benchmarks/host_overhead.py measures it per layer). Torch's own check (the
 metadata of every saved tensor, kept in forward under ``no_grad`` and compared after the replay: about as
 much again) holds nothing this one does not, nor does it for the selective modes, whose replays are checked
 op by op (policy.py): every eager region passes ``determinism_check="none"``.
@@ -51,7 +54,7 @@ import torch
 
 from ..errors import RecomputeMismatchError
 
-__all__ = ["armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts"]
+__all__ = ["RESHAPES", "armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts", "maker"]
 
 _LIKELY_CAUSES = (
     "The layer's training forward reads state that changed between its forward and its replay and that hyperac "
@@ -95,21 +98,21 @@ def cast_of_a_leaf(op: Any, args: tuple, kwargs: dict | None = None) -> bool:
             and dtype != source.dtype)
 
 
-_RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0",
+RESHAPES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0",
                        "AsStridedBackward0"})
 """Nodes of ops that only give a tensor another shape over the same storage: which of them ``reshape``
 becomes depends on what dispatches it (a dispatch mode active in forward, such as a memory meter, and not
 in the replay, or the other way round), so they are one maker, ``"a reshape"``."""
 
 
-def _maker(tensor: torch.Tensor, first: int) -> str | None:
+def maker(tensor: torch.Tensor, first: int) -> str | None:
     """The name of the autograd node that made ``tensor`` in the region that started at sequence number
     ``first``, or ``None`` for a tensor made outside it (or an autocast cast of a leaf)."""
     node = tensor.grad_fn
     if node is None or node._sequence_nr() < first:
         return None
     name = node.name()
-    if name in _RESHAPES:
+    if name in RESHAPES:
         return "a reshape"
     if name == "ToCopyBackward0":
         source = node.next_functions[0][0] if node.next_functions else None
@@ -140,12 +143,14 @@ class _Fingerprint:
 
 class _Hooked:
     """Sees each tensor saved for backward while entered, through the region's hook pair (NOTE [One hook
-    pair per region] in region_saves.py), which takes it with :func:`armed_check` as the region starts."""
+    pair per region] in region_saves.py), which takes it with :func:`armed_check` as the region starts and
+    lists each tensor's fingerprint in :attr:`entries`: ``(maker(tensor, first), shape, dtype)``."""
 
     def __init__(self, fingerprint: _Fingerprint) -> None:
         self.fingerprint = fingerprint
         self.first = 0
         self.token: Any = None
+        self.entries: list[tuple[str | None, tuple[int, ...], torch.dtype]] = []
 
     def __enter__(self) -> None:
         self.first = torch._C._autograd._get_sequence_nr()
@@ -153,22 +158,6 @@ class _Hooked:
 
     def __exit__(self, *exc: Any) -> None:
         _armed.reset(self.token)
-
-    def saved(self, tensor: torch.Tensor) -> None:
-        """Fingerprint ``tensor``, saved for backward (:func:`_maker` inlined: one Python call per tensor)."""
-        node = tensor.grad_fn
-        if node is None or node._sequence_nr() < self.first:
-            maker = None
-        else:
-            maker = node.name()
-            if maker in _RESHAPES:
-                maker = "a reshape"
-            elif maker == "ToCopyBackward0":
-                maker = _maker(tensor, self.first)
-        self._saved((maker, tensor.shape, tensor.dtype))
-
-    def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
-        raise NotImplementedError
 
 
 _armed: contextvars.ContextVar[_Hooked | None] = contextvars.ContextVar("hyperac_armed_check", default=None)
@@ -184,45 +173,54 @@ def armed_check() -> _Hooked | None:
 
 
 class _Recording(_Hooked):
+    def __init__(self, fingerprint: _Fingerprint) -> None:
+        super().__init__(fingerprint)
+        self.entries = fingerprint.entries
+
     def __enter__(self) -> None:
         self.fingerprint.under_modes = torch._C._len_torch_dispatch_stack() > 0
         super().__enter__()
 
-    def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
-        self.fingerprint.entries.append(entry)
-
 
 class _Checking(_Hooked):
+    """A replay's fingerprint, compared with the forward's as the replay ends, in one comparison of the two
+    lists where they are equal (the usual case), entry by entry where not; inside checkpoint's unpack,
+    before any saved tensor of the replay reaches a gradient."""
+
     def __init__(self, fingerprint: _Fingerprint) -> None:
         super().__init__(fingerprint)
-        self.position = 0
         self.by_metadata = False
 
     def __enter__(self) -> None:
-        self.position = 0
+        self.entries = []
         self.by_metadata = (torch._C._len_torch_dispatch_stack() > 0) != self.fingerprint.under_modes
         super().__enter__()
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        super().__exit__(exc_type, *exc)
-        # A replay that stops early (checkpoint's early stop) raises out of the region; one that ends
-        # normally must have saved all the forward saved.
-        if exc_type is None and self.position < len(self.fingerprint.entries):
-            self._diverged(None)
-
-    def _saved(self, entry: tuple[str | None, tuple[int, ...], torch.dtype]) -> None:
-        entries, position = self.fingerprint.entries, self.position
-        self.position += 1
-        expected = entries[position] if position < len(entries) else None
-        if entry == expected or (expected is not None and entry[1:] == expected[1:] and (
-                self.by_metadata or (self.fingerprint.lenient and entry[0] is None))):
+    def __exit__(self, exc_type: Any, exc: Any, *rest: Any) -> None:
+        super().__exit__(exc_type, exc, *rest)
+        replayed, entries = self.entries, self.fingerprint.entries
+        if replayed == entries:
             return
-        self._diverged(entry)
+        # A replay that stops early (checkpoint's early stop) raises out of the region having saved as many
+        # tensors as the forward; one that raised otherwise is compared as far as it got, and its error is
+        # the cause of a divergence found there.
+        position = next((position for position, entry in enumerate(replayed)
+                         if not self._matches(entry, entries[position] if position < len(entries) else None)), None)
+        if position is not None:
+            raise self._diverged(position, replayed[position]) from exc
+        if exc_type is None and len(replayed) < len(entries):
+            raise self._diverged(len(replayed), None)
 
-    def _diverged(self, entry: tuple[str | None, tuple[int, ...], torch.dtype] | None) -> None:
-        fingerprint, position = self.fingerprint, self.position - (entry is not None)
+    def _matches(self, entry: tuple[str | None, tuple[int, ...], torch.dtype],
+                 expected: tuple[str | None, tuple[int, ...], torch.dtype] | None) -> bool:
+        return entry == expected or (expected is not None and entry[1:] == expected[1:] and (
+            self.by_metadata or (self.fingerprint.lenient and entry[0] is None)))
+
+    def _diverged(self, position: int,
+                  entry: tuple[str | None, tuple[int, ...], torch.dtype] | None) -> RecomputeMismatchError:
+        fingerprint = self.fingerprint
         expected = fingerprint.entries[position] if position < len(fingerprint.entries) else None
-        raise divergence(
+        return divergence(
             fingerprint.layer, fingerprint.index,
             f"tensor {position} of the {len(fingerprint.entries)} it saved for backward",
             _describe(expected), _describe(entry),
