@@ -467,15 +467,18 @@ class Config:
                                             or self.head_chunk < 1):
             raise ConfigError(f"Config.head_chunk must be None or an int >= 1 (tokens per chunk), got "
                               f"{self.head_chunk!r}; e.g. head_chunk=1024.")
-        if self.head == "chunked" and self.compile:
+        # A plan applied with head=None installs the head as the plan has it (api._apply_modes).
+        planned = self.head is None and getattr(self.plan, "head", "off") == "chunked"
+        chunked = "Config.plan's head 'chunked'" if planned else "Config.head='chunked'"
+        if (self.head == "chunked" or planned) and self.compile:
             raise ConfigError(
-                "Config.head='chunked' is not supported with compile=True yet (its deferred logits are a tensor "
+                f"{chunked} is not supported with compile=True yet (its deferred logits are a tensor "
                 "subclass the compiler would break its graph on); use head='off' under compile, or compile=False."
             )
-        if self.head == "chunked" and self.bitwise:
+        if (self.head == "chunked" or planned) and self.bitwise:
             raise ConfigError(
-                "Config.head='chunked' with bitwise=True: the chunked head sums its weight's gradient chunk by chunk, "
-                "within float32 rounding of the un-chunked sum, not bitwise. Drop one: head='off' (or None) keeps "
+                f"{chunked} with bitwise=True: the chunked head sums its weight's gradient chunk by chunk, "
+                "within float32 rounding of the un-chunked sum, not bitwise. Drop one: head='off' keeps "
                 "results bitwise, bitwise=False accepts the rounding."
             )
 

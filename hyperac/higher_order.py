@@ -68,7 +68,7 @@ more than off] in policy.py weighs kept outputs by whether autograd saved them, 
 HOP's own autograd saves (a compiled region's, returned by its forward) have no autograd node of the
 region to be told by. A kept HOP may have drawn random numbers (a compiled region with dropout): the
 replay sets the generators it moved to where the forward left them (NOTE [Kept ops that draw random
-numbers] in random_sources.py).
+numbers] in replay/random_sources.py).
 
 NOTE [Traces inside a region]
 Eager ``flex_attention`` (torch runs it through ``torch.compile(backend="eager")``) traces its score

@@ -845,7 +845,7 @@ class _ReplayMode(_EagerMode):
     hyperac did not see has changed (NOTE [Writes into kept outputs]). The op's inputs are the
     replayed ones, equal to the forward's, so the result is the forward's, bitwise where the op is
     deterministic. A route is the exception: it is handed, as a copy, to every replay (NOTE [Routing
-    is kept] in routing.py).
+    is kept] in replay/routing.py).
 
     NOTE [Kept outputs that no longer fit]
     A kept output is right only for the arguments its op had in forward. Where a size depends on the
@@ -890,7 +890,7 @@ class _ReplayMode(_EagerMode):
         cast of a leaf (asked about whether or not the forward ran one here) is run without a tape
         entry, and the forward's casts that the replay does not run are skipped: either side may have
         served it from autocast's cache (NOTE [Autocast casts served from the cache] in
-        replay_check.py). Anything else is a divergence.
+        replay/replay_check.py). Anything else is a divergence.
         """
         if cast_of_a_leaf(func, args, kwargs):
             return None
@@ -932,7 +932,7 @@ class _ReplayMode(_EagerMode):
         if kept.shapes != _shapes(args):  # NOTE [Kept outputs that no longer fit]
             raise unfit(tape.layer, tape.index, f"op {index} of {len(tape.keys)} ({func})", kept.shapes, args)
         if kept.rng is not None:
-            restore_generators(kept.rng)  # NOTE [Kept ops that draw random numbers] in random_sources.py
+            restore_generators(kept.rng)  # NOTE [Kept ops that draw random numbers] in replay/random_sources.py
         return kept.value((args, kwargs))
 
 

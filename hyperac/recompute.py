@@ -11,10 +11,10 @@ again in the replay.
 Recompute uses PyTorch's non-reentrant ``torch.utils.checkpoint``: gradients reach frozen
 layers' inputs and LoRA adapters, keyword arguments work, and the RNG state is replayed so
 dropout masks match. Each eager replay also starts from the Python state its forward started from
-(NOTE [Python state in the replay] in python_state.py), under the forward's torch settings (NOTE [The
-forward's context in the replay] in replay_context.py), with the buffers of modules the layer runs but
-does not own as the forward read them (NOTE [Buffers in the replay] in buffers.py); and every replay is
-checked against its forward, ``full`` included (NOTE [Every replay is checked] in replay_check.py).
+(NOTE [Python state in the replay] in replay/python_state.py), under the forward's torch settings (NOTE [The
+forward's context in the replay] in replay/replay_context.py), with the buffers of modules the layer runs but
+does not own as the forward read them (NOTE [Buffers in the replay] in replay/buffers.py); and every replay is
+checked against its forward, ``full`` included (NOTE [Every replay is checked] in replay/replay_check.py).
 
 NOTE [Excluded modules]
 A region may exclude sub-modules from its replay (an attention that publishes state, a module
@@ -171,7 +171,7 @@ class RecomputeContext:
     @property
     def checks_only(self) -> bool:
         """Whether the contexts only check the replay (an eager ``full`` region without exclusions, NOTE
-        [Every replay is checked] in replay_check.py): a traced region goes without them (the compiler
+        [Every replay is checked] in replay/replay_check.py): a traced region goes without them (the compiler
         replays its own graph)."""
         return self.mode == "full" and not self.compile and not self.has_exclusions
 
@@ -395,7 +395,7 @@ class _Region:
             return side_effects_once(self.call, *args, **self.kwargs)
         if not self.forward_done:
             self.forward_done = True
-            # NOTE [One hook pair per region] in region_saves.py
+            # NOTE [One hook pair per region] in replay/region_saves.py
             with RegionSaves(replaying=False):
                 return self.call(*(args if self.given is None else self.given), **self.kwargs)
         if self.watched:
@@ -426,11 +426,11 @@ class RecomputedForward(Override):
         self.index = index
         self.saves_checked = False
         """Whether a forward of the region was watched for saved tensors it frees (done once)."""
-        # Eager regions keep their buffer updates single (NOTE [Buffers in the replay] in buffers.py).
+        # Eager regions keep their buffer updates single (NOTE [Buffers in the replay] in replay/buffers.py).
         compiled = context is not None and context.compile
         self.checked = context is not None and not compiled
         """Whether hyperac checks each replay of the region itself (NOTE [Every replay is checked] in
-        replay_check.py), so torch's coarser check of saved tensors' metadata is not run on top."""
+        replay/replay_check.py), so torch's coarser check of saved tensors' metadata is not run on top."""
         self.context = context if compiled else BufferSnapshots.wrap(module, context, fqn, index)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -456,9 +456,9 @@ class RecomputedForward(Override):
     def _start(self, region: _Region, kwargs: dict[str, Any], args: tuple) -> Callable[[], Any]:
         """What runs the region's forward on ``args``: the recompute, within the swap if any."""
         context_fn = self.context.context_fn() if isinstance(self.context, RecomputeContext) else self.context
-        if not torch.compiler.is_compiling():  # NOTE [RNG trackers] in random_sources.py
+        if not torch.compiler.is_compiling():  # NOTE [RNG trackers] in replay/random_sources.py
             context_fn = TrackerReplay.wrap(context_fn)
-            if not self.saves_checked:  # NOTE [Saved tensors freed in forward] in freed_saves.py
+            if not self.saves_checked:  # NOTE [Saved tensors freed in forward] in replay/freed_saves.py
                 context_fn = FreedSaves(context_fn, self.fqn, self.index)
         extra = {} if context_fn is None else {"context_fn": context_fn, **SAC_CHECKPOINT_KWARGS}
         if self.checked and not torch.compiler.is_compiling():
@@ -607,7 +607,7 @@ def install_forced_recompute(module: nn.Module, owner: AppliedState, fqn: str) -
 # the wrapper ``use_kernelized_func`` puts on attention sets a module-level context variable of the
 # ``kernels`` package for the call and resets it after (under compile a plain attribute of a global
 # object, ``CompileableContextVar.global_var``). hyperac's contract is the forward's side effects happen
-# once and the replay reads what the forward read (NOTE [Python state in the replay] in python_state.py),
+# once and the replay reads what the forward read (NOTE [Python state in the replay] in replay/python_state.py),
 # which is what a traced region gives when the writes are kept: dynamo applies them once after the
 # forward graph, and the backward graph replays tensor ops only, on the values traced in forward. So
 # the region's forward runs through dynamo's switch for exactly that

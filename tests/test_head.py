@@ -292,6 +292,16 @@ def test_head_options_are_validated(options: dict[str, Any], message: str) -> No
         hyperac.Config(**options)
 
 
+@pytest.mark.parametrize("options", [dict(bitwise=True), dict(compile=True)], ids=["bitwise", "compile"])
+def test_a_plan_with_the_head_chunked_is_held_to_the_same_refusals(options: dict[str, Any]) -> None:
+    """A plan applied with head=None installs its head as it was planned: bitwise=True and compile=True
+    refuse it as they refuse head='chunked' (they installed it before)."""
+    plan = {**hyperac.Plan(backend="cpu", adapter="none", layers=()).to_dict(), "head": "chunked"}
+    with pytest.raises(hyperac.ConfigError, match=r"Config.plan's head 'chunked' (with bitwise=True|is not supp)"):
+        hyperac.Config(plan=plan, **options)
+    hyperac.Config(plan=plan, head="off", **options)  # the user's head= wins over the plan's
+
+
 def test_a_bad_head_in_a_plan_dict_is_named() -> None:
     plan = hyperac.Plan(backend="cpu", adapter="none", layers=()).to_dict()
     with pytest.raises(hyperac.ConfigError, match="Config.plan\\['head'\\] is 'sliced'; give 'off' .* or 'chunked'"):

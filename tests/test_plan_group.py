@@ -181,6 +181,35 @@ def test_the_slowest_ranks_costs_bound_every_ranks(estimates, plan):
                for p, layer in enumerate(job.layers))
 
 
+def test_the_job_swaps_over_the_slowest_ranks_link():
+    from hyperac.planner import Estimate, LayerEstimate
+    from hyperac.planner.group import slowest
+
+    layer = LayerEstimate(index=0, fqn="layers.0", kept_bytes={"off": 1}, recompute_flops={"off": 0},
+                          forward_peak_bytes={"off": 1}, backward_peak_bytes={"off": 1}, seconds={"off": 1.0})
+    ranks = [Estimate((layer,), outside_bytes=0, base_flops=0, outside_peak_bytes=(0, 0, 0, 0),
+                      link_bandwidth=bandwidth) for bandwidth in (32e9, 8e9)]
+    assert slowest(ranks, 2).link_bandwidth == 8e9
+
+
+def test_a_rank_on_another_planning_path_is_refused_not_a_key_error():
+    """A rank that plans the LM head (or compiles) sends an option the others do not: on the default group of
+    a pipeline, only the last stage holds the head. Every rank raises ConfigError naming it (a KeyError before)."""
+    import dataclasses
+
+    from hyperac.planner.group import PlanGroup, agree_on_options
+
+    @dataclasses.dataclass(frozen=True)
+    class WithoutTheHead(PlanGroup):  # rank 1 took the path without the head
+        def gather(self, compute, what):
+            mine = compute()
+            return [mine, {name: value for name, value in mine.items() if name != "head="}]
+
+    with pytest.raises(hyperac.ConfigError, match=r"head= must be the same on each, but rank 0 has 'fallback' and "
+                                                  r"rank 1 'not given'"):
+        agree_on_options(WithoutTheHead(size=2), 0.5, {"x": torch.ones(2)}, ["layers.0"], {"head=": "fallback"})
+
+
 def test_layers_are_alike_where_they_are_alike_on_every_rank():
     from hyperac.planner.profile import _common_groups
 

@@ -3,7 +3,7 @@
 On a GPU a replay's router inputs can differ from the forward's in the last bits, and ``topk`` then
 sends some tokens to other experts. Here tiny HF Mixtral and Qwen3-MoE models, with grouped and eager
 experts, get router noise of 1e-3 on their logits drawn from a module-level generator, which hyperac's
-Python-state snapshot does not reach (NOTE [Python state in the replay] in python_state.py): the replay
+Python-state snapshot does not reach (NOTE [Python state in the replay] in replay/python_state.py): the replay
 draws other noise, as a GPU's replay computes other last bits. Every call of a router records the experts
 it picked in a module-level table (also out of the snapshot's reach), so a replay's picks are compared
 with its forward's. The control, plain ``torch.utils.checkpoint`` through HF's gradient checkpointing,
@@ -267,6 +267,39 @@ def test_full_layers_that_route_nothing_pay_nothing_after_their_first_forward():
         MODES_SEEN.clear()
         train_step(model, LOSS)
         assert MODES_SEEN == ([1, 1] if routing else [0, 0])
+
+
+ROUTE_NOW = [True]
+"""Whether ``_SometimesRouting`` routes in this step (module level, out of the snapshot's reach)."""
+
+
+class _SometimesRouting(nn.Module):
+    """Routes with ``topk`` in the steps ``ROUTE_NOW`` says, and in the others not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        y = self.proj(self.norm(x))
+        if ROUTE_NOW[0]:
+            y = y.gather(-1, y.topk(2, dim=-1).indices).sum(-1, keepdim=True) * y
+        return torch.tanh(y)
+
+
+def test_a_full_layer_that_routed_once_keeps_its_routes_in_later_steps():
+    """A layer found routing on its first forward is watched in every later step, also after a step in which
+    it routed nothing (that step turned the watch off for good before)."""
+    model = Stack(_SometimesRouting, num_blocks=2)
+    model.blocks[0].norm.register_forward_pre_hook(_modes_inside)
+    hyperac.apply(model, mode="full", layers="blocks", backend="cpu")
+    x = torch.randn(4, 8, requires_grad=True)
+    for route_now in (True, False, True):
+        ROUTE_NOW[0] = route_now
+        MODES_SEEN.clear()
+        model(x).sum().backward()
+        assert MODES_SEEN == [1, 1], route_now  # the forward and its replay, under the routes' mode
+    ROUTE_NOW[0] = True
 
 
 DECISIONS: dict[int, list[object]] = {}

@@ -26,7 +26,7 @@ layer's, NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py
 ``deallocate_output_tensor`` frees a stage's output data after sending it, which hyperac's regions do
 not read again (the layer's output is not one of its saved inputs). Megatron's output-discarding
 ``CheckpointWithoutOutput`` inside a recomputed layer is refused on the layer's first forward (NOTE
-[Saved tensors freed in forward] in freed_saves.py).
+[Saved tensors freed in forward] in replay/freed_saves.py).
 
 megatron-core 0.16.1 is the newest release with a wheel for Python 3.11 (0.17 needs 3.12);
 ``tox -e megatron`` tests this module with it.

@@ -164,7 +164,9 @@ def agree_on_options(plan_group: PlanGroup, budget: Any, sample: Any, layer_name
             "the layers found": list(layer_names)}
     everything = plan_group.gather(lambda: mine, "checking its options")
     for name, value in mine.items():
-        differ = {rank: options[name] for rank, options in enumerate(everything) if options[name] != value}
+        # Ranks on other planning paths (one holds the LM head, one compiles) send other names: absent differs.
+        differ = {rank: options.get(name, "not given") for rank, options in enumerate(everything)
+                  if options.get(name, "not given") != value}
         if differ:
             rank, other = next(iter(differ.items()))
             hint = ("pass group= the ranks that hold the same layers (a pipeline stage's group)"
@@ -203,6 +205,7 @@ def slowest(estimates: Sequence[Estimate], size: int) -> Estimate:
     )
     return dataclasses.replace(
         first, layers=layers, outside_bytes=max(e.outside_bytes for e in estimates),
+        link_bandwidth=min(e.link_bandwidth for e in estimates),
         base_flops=max(e.base_flops for e in estimates),
         outside_peak_bytes=tuple(map(max, zip(*(e.outside_peak_bytes for e in estimates)))),
         outside_seconds=max(e.outside_seconds for e in estimates),

@@ -3,10 +3,10 @@
 Gradients (backward accumulates into ``.grad`` in place), buffers (BatchNorm statistics,
 counters), random-number generators (dropout draws), ``module.training`` flags and the Python state
 the forward changes (counters, lists its forward hooks fill, tensors held as plain attributes, as far
-as NOTE [Python state in the replay] in python_state.py reaches) are as they were when profiling
+as NOTE [Python state in the replay] in replay/python_state.py reaches) are as they were when profiling
 ends, whether it ends normally or with an error. A sharding stack's bookkeeping of which parameters
 a module gathers is left as the profiled steps left it, in step with the stack's own records
-(NOTE [Parameter bookkeeping is the stack's] in python_state.py).
+(NOTE [Parameter bookkeeping is the stack's] in replay/python_state.py).
 
 NOTE [Rebound buffers]
 A forward may update a buffer in place (``running_mean.mul_(...)``) or rebind it

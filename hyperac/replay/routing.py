@@ -95,8 +95,8 @@ class _KeptRoutes(_EagerMode):
 
     def __exit__(self, exc_type, exc_value, traceback):
         super().__exit__(exc_type, exc_value, traceback)
-        if exc_type is None:
-            self.seen.routes = bool(self.routes.ops)
+        if exc_type is None:  # a layer that routed once keeps its routes, also on a call that routes nothing
+            self.seen.routes = bool(self.seen.routes) or bool(self.routes.ops)
 
 
 class _ReplayedRoutes(_EagerMode):
