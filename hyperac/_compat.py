@@ -43,6 +43,12 @@ and reads and writes FX node ``meta["recompute"]`` / ``meta["should_offload"]``;
 that the options and ``CheckpointPolicy.MUST_CPU_OFFLOAD`` exist (``compiled.offloading_available``)
 and raises :class:`~hyperac.errors.TorchVersionError` where they do not.
 
+Recompute under ``compile=True`` (recompute.py, NOTE [Python side effects in a compiled region]) runs
+each region's forward through dynamo's
+``torch._dynamo.utils._disable_side_effect_safety_checks_for_current_subtracer``; apply probes it (one
+small compile per process) and raises :class:`~hyperac.errors.TorchVersionError` naming ``compile=False``
+where it is missing or no longer keeps a region's writes in one graph.
+
 The knapsack modes under ``compile=True`` (NOTE [Knapsack layers] in compiled.py) use the prototype
 ``torch.autograd.graph.region_activation_memory_budget``; where it is missing applying one raises
 :class:`~hyperac.errors.TorchVersionError`.
@@ -59,7 +65,7 @@ Imported directly, so a missing one fails ``import hyperac`` loudly rather than 
 NOTE [Every private torch piece]: :data:`PRIVATE_TORCH` is the one table of every private piece of
 torch that hyperac relies on anywhere, with the file that uses it and a probe of the behaviour it
 relies on; :func:`probe_private_torch` runs them all (tests/test_compat.py does, on every torch in
-the tested range). The two features above are also checked at ``apply``; the others are used in
+the tested range). The features above are also checked at ``apply``; the others are used in
 paths where a mismatch fails loudly (an AttributeError, a dynamo error), so the table is how a new
 torch release is judged before it is added to the tested range.
 """
@@ -77,7 +83,7 @@ from typing import Any
 import torch
 from torch.utils import checkpoint as torch_recompute
 
-from .config import SELECTIVE_MODES, Config
+from .config import RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .errors import HyperACWarning, TorchVersionError
 
 __all__ = [
@@ -109,22 +115,26 @@ SAC_CHECKPOINT_KWARGS: dict[str, Any] = (
 )
 
 
+_FULL_INSTEAD = "or use mode='full', which needs no torch internals"
 _FEATURES = {"selective": "the selective modes (selective, selective-even, pointwise)",
-             "swap_selective_outputs": "swap_selective_outputs=True"}
+             "swap_selective_outputs": "swap_selective_outputs=True",
+             "compiled_regions": "recompute under compile=True (its regions keep their Python side effects)"}
+_FIXES = {"compiled_regions": "or apply with compile=False (eager recompute needs no compiler internals)"}
 
 
-def _mismatch(feature: str, detail: str) -> TorchVersionError:
+def _mismatch(feature: str, detail: str, fix: str = _FULL_INSTEAD) -> TorchVersionError:
     return TorchVersionError(
         f"torch {torch.__version__} lacks or changed a torch internal needed by {feature}: {detail}. "
         f"hyperac is tested with torch {TESTED_RANGE}; install one "
-        f"(e.g. pip install 'torch=={TESTED_TORCH[-1]}.0'), or use mode='full', which needs no torch internals."
+        f"(e.g. pip install 'torch=={TESTED_TORCH[-1]}.0'), {fix}."
     )
 
 
 def require(*features: str) -> None:
     """Raise :class:`TorchVersionError` unless this torch has what ``features`` need.
 
-    ``features``: ``"selective"`` (selective modes in eager) and ``"swap_selective_outputs"``.
+    ``features``: ``"selective"`` (selective modes in eager), ``"swap_selective_outputs"`` and
+    ``"compiled_regions"`` (recompute regions under ``compile=True``).
     Each is checked once per process; a failed check is repeated on the next call.
     """
     for feature in features:
@@ -133,11 +143,12 @@ def require(*features: str) -> None:
 
 def require_for(modes: list[str], swaps: list[bool], config: Config) -> None:
     """:func:`require` what a plan needs: ``selective`` for eager selective layers,
-    ``swap_selective_outputs`` where their outputs swap. ``full``, ``swap`` and compiled layers use
-    public torch only."""
+    ``swap_selective_outputs`` where their outputs swap, ``compiled_regions`` for recomputed layers under
+    ``compile=True``. Eager ``full`` and ``swap`` layers use public torch only."""
     selective = [swap for mode, swap in zip(modes, swaps) if mode in SELECTIVE_MODES and not config.compile]
     swapped = config.swap_selective_outputs and any(selective)
-    require(*["selective"] * bool(selective), *["swap_selective_outputs"] * swapped)
+    compiled = bool(config.compile) and any(mode in RECOMPUTE_MODES for mode in modes)
+    require(*["selective"] * bool(selective), *["swap_selective_outputs"] * swapped, *["compiled_regions"] * compiled)
 
 
 # NOTE [A torch newer than the tested range]
@@ -172,10 +183,11 @@ def warn_if_untested(version: str) -> None:
 
 @functools.cache
 def _check(feature: str) -> None:
-    probe = {"selective": _probe_selective, "swap_selective_outputs": _probe_storage_use_count}[feature]
+    probe = {"selective": _probe_selective, "swap_selective_outputs": _probe_storage_use_count,
+             "compiled_regions": _probe_side_effects_in_region}[feature]
     problem = _run(probe)
     if problem is not None:
-        raise _mismatch(_FEATURES[feature], problem)
+        raise _mismatch(_FEATURES[feature], problem, _FIXES.get(feature, _FULL_INSTEAD))
 
 
 def _run(probe: Callable[[], str | None]) -> str | None:
@@ -285,7 +297,10 @@ def _region_writing_outside(outer: _Outer, x: torch.Tensor) -> torch.Tensor:
 
 
 def _probe_side_effects_in_region() -> str | None:
-    import torch._dynamo
+    import torch._dynamo.utils
+
+    if not callable(getattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", None)):
+        return "torch._dynamo.utils has no _disable_side_effect_safety_checks_for_current_subtracer"
 
     outer, frames = _Outer(), []
 

@@ -120,9 +120,34 @@ def test_selective_refused_when_detach_is_no_longer_ignored(monkeypatch):
 
 
 def test_compile_and_full_need_no_sac_internals(monkeypatch):
-    monkeypatch.delattr(torch_recompute, "_sac_storage_key")
+    """hyperac's recording modes' own use of a SAC internal (``_detach_helper``; torch's compiled checkpoint
+    calls ``_sac_storage_key`` itself, so a torch without it could not compile a region at all)."""
+    monkeypatch.delattr(torch_recompute, "_detach_helper")
     hyperac.apply(tiny_llama(num_layers=2), mode="selective", compile=True)
     hyperac.apply(tiny_llama(num_layers=2), mode="full", swap_inputs=True, **SIM)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_compiled_recompute_refused_without_the_side_effect_switch(monkeypatch, mode):
+    """A torch without dynamo's switch for writes inside a checkpoint region: apply(compile=True) refuses
+    with the fix (compile=False), instead of an AttributeError at the first compiled step; eager modes and
+    compiled layers that recompute nothing need no switch."""
+    import torch._dynamo.utils
+
+    monkeypatch.delattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer")
+    model = tiny_llama(num_layers=2)
+    before = _state(model)
+    with pytest.raises(TorchVersionError, match=r"needed by recompute under compile=True .*"
+                       r"_disable_side_effect_safety_checks_for_current_subtracer.*apply with compile=False"):
+        hyperac.apply(model, mode=mode, compile=True)
+    assert _state(model) == before and "_hyperac_state" not in model.__dict__
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(TorchVersionError, match="apply with compile=False"):  # refused before profiling compiles
+        hyperac.apply(model, mode="auto", compile=True, budget=0.9, sample={"input_ids": ids, "labels": ids})
+    assert _state(model) == before
+    hyperac.apply(model, mode=mode)
+    hyperac.remove(model)
+    hyperac.apply(model, mode="knapsack-0.5", compile=True)
 
 
 def test_swap_of_selective_outputs_refused_without_the_storage_use_count(monkeypatch):
