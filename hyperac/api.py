@@ -306,12 +306,13 @@ def apply(
                 planned_swaps = offloads
             else:
                 modes, planned_swaps = plan_swaps(modes, offloads)
+        if config.plan.group_size is not None:  # still the plan of the group that made it
+            prediction["group_size"] = config.plan.group_size
         if config.plan.buckets:  # switched by length again (NOTE [Plans per length bucket])
-            prediction = {"max_seq_len": config.plan.max_seq_len, "buckets": config.plan.buckets,
-                          "batch_shape": config.plan.batch_shape, "seq_dim": config.sequence_dim}
+            prediction.update(max_seq_len=config.plan.max_seq_len, buckets=config.plan.buckets,
+                              batch_shape=config.plan.batch_shape, seq_dim=config.sequence_dim)
             if config.group is not None or config.plan.group_size is not None:  # the group's buckets agree again
                 group = plan_group(config.group)
-                prediction["group_size"] = config.plan.group_size
     elif config.mode == "auto":
         group = plan_group(config.group)
         if config.compile:  # plan for compiled layers (planner/compiled.py)

@@ -217,3 +217,32 @@ def test_layers_are_alike_where_they_are_alike_on_every_rank():
     rank1 = [(0, 1), (0, 1), (2, 3), (2, 3)]  # an MoE layer routed otherwise on rank 1
     assert _common_groups([rank0, rank1]) == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert _common_groups([rank0]) == rank0
+
+
+def test_a_group_plan_applied_again_without_buckets_is_still_the_groups():
+    """``plan=`` with a group's plan file (no length buckets): ``print(plan)`` and the file written again
+    still say the plan is the group's (the record of who made it; applying it runs no collective)."""
+    from hyperac_testing import tiny_llama
+
+    model = tiny_llama(num_layers=2)
+    written = hyperac.apply(model, mode="full", backend="cpu").to_dict()
+    hyperac.remove(model)
+    again = hyperac.apply(model, plan={**written, "group_size": 2}, backend="cpu")
+    assert again.group_size == 2 and again.to_dict()["group_size"] == 2
+    assert "the plan of a group of 2 ranks" in str(again)
+
+
+def test_a_plan_made_alone_stays_alone_when_loaded_in_a_distributed_job(tmp_path):
+    """A length-bucketed model planned by one process, pickled and loaded where torch.distributed is
+    initialised: its bucket switch runs no collective there (a pipeline stage loading it would wait on ranks
+    that never switch); a group's plan agrees over the loading process's default group."""
+    import pickle
+
+    from hyperac.planner.group import ALONE, PlanGroup
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert pickle.loads(pickle.dumps(ALONE)).group is None
+        assert pickle.loads(pickle.dumps(PlanGroup(object(), 2, 1))).group is dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

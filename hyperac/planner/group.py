@@ -64,8 +64,9 @@ class PlanGroup:
         return self  # a copy of an applied model in this process switches buckets with the same ranks
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # A process group does not pickle: a model loaded elsewhere agrees over that process's default group.
-        return plan_group, (None,)
+        # A process group does not pickle: a model a group planned, loaded elsewhere, agrees over that
+        # process's default group; one planned alone stays alone (it runs no collective to switch buckets).
+        return (PlanGroup, ()) if self.size == 1 else (plan_group, (None,))
 
     def agreed_bucket(self, bucket: int, device: torch.device) -> int:
         """The largest of the ranks' length buckets: every rank runs the plan for the longest batch of
