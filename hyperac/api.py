@@ -19,7 +19,7 @@ from .compiled import mechanism_note, require_knapsack, require_offloading
 from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, RankFailedError, UnsupportedModelError
-from .head import head_policy, install_head, resolve_head
+from .head import head_policy, install_head, resolve_head, unweighed_note
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, LengthBucket, Plan
@@ -314,12 +314,16 @@ def apply(
                 prediction["group_size"] = config.plan.group_size
     elif config.mode == "auto":
         group = plan_group(config.group)
+        # Where the head is not weighed (NOTE [The head in the plan] in planner/head.py), every step is
+        # profiled with the head as it will be installed.
+        fixed_head = "chunked" if config.head == "chunked" else "off"
         if config.compile:  # plan for compiled layers (planner/compiled.py)
             modes, planned_swaps, prediction = compiled_auto_modes(
                 model, found, config.budget, config.sample,
-                _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
+                _uniform_runner(chosen_backend, config.adapter, compile=True, head=fixed_head,
+                                head_chunk=config.head_chunk)(model, _containers(found)),
                 chosen_backend, config.compile, group)
-        elif policy := head_policy(config, named_modules):  # NOTE [The head in the plan] in planner/head.py
+        elif policy := head_policy(config, named_modules):
             runners = {head: _uniform_runner(chosen_backend, config.adapter, head=head, head_chunk=config.head_chunk)
                        for head in ("off", "chunked")}
             modes, planned_swaps, prediction = head_auto_modes(
@@ -327,9 +331,13 @@ def apply(
                 config.min_swap_bytes, group)
         else:
             modes, planned_swaps, prediction = auto_modes(
-                model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
+                model, found, config.budget, config.sample,
+                _uniform_runner(chosen_backend, config.adapter, head=fixed_head, head_chunk=config.head_chunk),
                 chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len,
                 config.sequence_dim, config.length_buckets, group)
+        if note := unweighed_note(config, named_modules):
+            warnings.warn(note, HyperACWarning, stacklevel=2)
+            prediction["notes"] = [*prediction.get("notes", []), note]
     else:
         modes = assign_modes(found, config)
     try:  # NOTE [One plan per job] in planner/group.py
@@ -612,6 +620,10 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
     Returns:
         An :class:`hyperac.planner.Estimate`; ``print()`` it for a table.
     """
+    if head == "auto":  # Config would name the mode estimate() profiles with, not one the caller chose
+        raise ConfigError("estimate(head='auto'): an estimate profiles the head one way; give head='off' or "
+                          "head='chunked' (an estimate of each shows the head's share), or let "
+                          "apply(mode='auto', head='auto') weigh both.")
     config = resolve_config(None, dict(mode="full", backend=backend, layers=layers, sample=sample,
                                        min_swap_bytes=min_swap_bytes, head=head, head_chunk=head_chunk))
     if config.layer_spec.rules:

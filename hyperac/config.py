@@ -470,11 +470,6 @@ class Config:
         # A plan applied with head=None installs the head as the plan has it (api._apply_modes).
         planned = self.head is None and getattr(self.plan, "head", "off") == "chunked"
         chunked = "Config.plan's head 'chunked'" if planned else "Config.head='chunked'"
-        if (self.head == "chunked" or planned) and self.compile:
-            raise ConfigError(
-                f"{chunked} is not supported with compile=True yet (its deferred logits are a tensor "
-                "subclass the compiler would break its graph on); use head='off' under compile, or compile=False."
-            )
         if (self.head == "chunked" or planned) and self.bitwise:
             raise ConfigError(
                 f"{chunked} with bitwise=True: the chunked head sums its weight's gradient chunk by chunk, "
