@@ -338,3 +338,36 @@ def test_auto_never_chunks_the_head_where_results_must_be_bitwise() -> None:
     with pytest.raises(hyperac.ConfigError, match="is below the smallest plan"):
         hyperac.apply(model, mode="auto", budget=0.5, sample=sample, bitwise=True, head_chunk=16)
     assert hyperac.apply(model, mode="auto", budget=1.0, sample=sample, bitwise=True, head_chunk=16).head == "off"
+
+
+def test_estimate_refuses_head_auto_in_its_own_words() -> None:
+    model = FAMILIES["llama-untied"]()
+    with pytest.raises(hyperac.ConfigError, match=r"^estimate\(head='auto'\): an estimate profiles the head one way; "
+                                                  r"give head='off' or head='chunked'"):
+        hyperac.estimate(model, batch(), head="auto")
+
+
+def test_auto_with_max_seq_len_plans_the_head_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans per length bucket do not weigh the head: head='chunked' profiles every length with it
+    chunked and installs it; head='auto' keeps it as the model computes it and says so."""
+    from hyperac import head
+
+    chunked_loss, calls = head.chunked_causal_loss, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return chunked_loss(*args, **kwargs)
+
+    monkeypatch.setattr(head, "chunked_causal_loss", counted)
+    model = FAMILIES["llama-untied"]()
+    sample = batch(seq=32)
+    plan = hyperac.apply(copy.deepcopy(model), mode="auto", budget=1.0, sample=sample, max_seq_len=64,
+                         head="chunked", head_chunk=16)
+    assert plan.head == "chunked" and plan.max_seq_len == 64 and calls[0] > 0
+    message = ("Config.head='auto' kept the head and the loss as the model computes them: mode='auto' with "
+               "max_seq_len= (plans per length bucket) does not weigh the chunked head yet; head='chunked' plans the "
+               "layers with them chunked.")
+    calls[0] = 0
+    with pytest.warns(hyperac.HyperACWarning, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan = hyperac.apply(model, mode="auto", budget=1.0, sample=sample, max_seq_len=64, head="auto")
+    assert plan.head == "off" and f"note: {message}" in str(plan) and calls[0] == 0
