@@ -314,22 +314,22 @@ def apply(
                 prediction["group_size"] = config.plan.group_size
     elif config.mode == "auto":
         group = plan_group(config.group)
-        # Where the head is not weighed (NOTE [The head in the plan] in planner/head.py), every step is
-        # profiled with the head as it will be installed.
-        fixed_head = "chunked" if config.head == "chunked" else "off"
+        policy = head_policy(config, named_modules)  # NOTE [The head in the plan] in planner/head.py
         if config.compile:  # plan for compiled layers (planner/compiled.py)
+            run_modes = {head: _uniform_runner(chosen_backend, config.adapter, compile=True, head=head,
+                                               head_chunk=config.head_chunk)(model, _containers(found))
+                         for head in ("off", "chunked")}
             modes, planned_swaps, prediction = compiled_auto_modes(
-                model, found, config.budget, config.sample,
-                _uniform_runner(chosen_backend, config.adapter, compile=True, head=fixed_head,
-                                head_chunk=config.head_chunk)(model, _containers(found)),
-                chosen_backend, config.compile, group)
-        elif policy := head_policy(config, named_modules):
+                model, found, config.budget, config.sample, run_modes, chosen_backend, config.compile, group, policy)
+        elif policy:
             runners = {head: _uniform_runner(chosen_backend, config.adapter, head=head, head_chunk=config.head_chunk)
                        for head in ("off", "chunked")}
             modes, planned_swaps, prediction = head_auto_modes(
                 model, found, config.budget, config.sample, runners, policy, chosen_backend, _host_budget(config),
                 config.min_swap_bytes, group)
         else:
+            # Plans per length bucket do not weigh the head: every length is profiled with it as installed.
+            fixed_head = "chunked" if config.head == "chunked" else "off"
             modes, planned_swaps, prediction = auto_modes(
                 model, found, config.budget, config.sample,
                 _uniform_runner(chosen_backend, config.adapter, head=fixed_head, head_chunk=config.head_chunk),

@@ -483,10 +483,10 @@ def resolve_head(wanted: str, modules: list[tuple[str, nn.Module]], notes: list[
 
 def head_policy(config: Any, modules: list[tuple[str, nn.Module]]) -> str | None:
     """How ``mode="auto"`` plans the head (NOTE [The head in the plan] in planner/head.py): ``None``, as
-    without a head option (the head ``"off"``, results bitwise, plans per length bucket or compiled, or
+    without a head option (the head ``"off"``, results bitwise, plans per length bucket, or
     a loss hyperac cannot see); ``"chunked"`` where the user named it; ``"weigh"`` for ``head="auto"``;
     else ``"fallback"``: the head as it is unless only chunking it meets the budget."""
-    if (config.head == "off" or config.bitwise or config.max_seq_len is not None or config.compile
+    if (config.head == "off" or config.bitwise or config.max_seq_len is not None
             or isinstance(find_head(modules), str)):
         return None
     return {"chunked": "chunked", "auto": "weigh"}.get(config.head, "fallback")
@@ -494,14 +494,13 @@ def head_policy(config: Any, modules: list[tuple[str, nn.Module]]) -> str | None
 
 def unweighed_note(config: Any, modules: list[tuple[str, nn.Module]]) -> str | None:
     """Why ``head="auto"`` keeps the head as the model computes it where ``mode="auto"`` plans without
-    weighing it (under ``compile`` or with ``max_seq_len``; NOTE [The head in the plan] in
-    planner/head.py), for ``print(plan)``; ``None`` elsewhere."""
-    where = "under compile=True" if config.compile else (
-        "with max_seq_len= (plans per length bucket)" if config.max_seq_len is not None else None)
-    if config.head != "auto" or where is None or isinstance(find_head(modules), str):
+    weighing it (with ``max_seq_len``; NOTE [The head in the plan] in planner/head.py), for
+    ``print(plan)``; ``None`` elsewhere."""
+    if config.head != "auto" or config.max_seq_len is None or isinstance(find_head(modules), str):
         return None
-    return (f"Config.head='auto' kept the head and the loss as the model computes them: mode='auto' {where} does not "
-            "weigh the chunked head yet; head='chunked' plans the layers with them chunked.")
+    return ("Config.head='auto' kept the head and the loss as the model computes them: mode='auto' with "
+            "max_seq_len= (plans per length bucket) does not weigh the chunked head yet; head='chunked' plans the "
+            "layers with them chunked.")
 
 
 def install_head(found: tuple[str, nn.Module, str, nn.Module], state: AppliedState, chunk: int | None) -> None:
