@@ -614,7 +614,8 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
         min_swap_bytes: as for :func:`apply`: the swap costs count only storages of at least this
             many bytes (default ``Config``'s, 1 MiB).
         head: as for :func:`apply`: ``"chunked"`` profiles every step with the head and the loss chunked
-            (NOTE [The head in the plan]); ``None`` and ``"off"``, as the model computes them.
+            (NOTE [The head in the plan]); ``None`` and ``"off"``, as the model computes them; not
+            ``"auto"`` (an estimate profiles one head: estimate each to compare).
         head_chunk: as for :func:`apply`: tokens per chunk of the chunked head.
 
     Returns:

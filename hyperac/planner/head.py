@@ -13,6 +13,14 @@ with the head as it is first, and chunked only where that plan is refused, with 
 fractional budget is of the un-chunked step's no-recompute peak, what the model needs as it is.
 Where the user asked for bitwise results (``Config.bitwise=True``) or ``head="off"``, the head is not
 planned; with ``head="chunked"`` only the chunked head is (the other profiled for the note's share).
+
+Under ``compile=`` the compiled planner (planner/compiled.py) weighs the head the same way, on its
+own cost model: the bytes the compiled step's forward saves for backward (not the chunks the head's
+backward recomputes one at a time, which it frees as it goes), each head profiled in compiled steps
+of its own, so the two heads' seconds are compared across profiles. Plans per length bucket
+(``max_seq_len=``) do not weigh it yet: every length is profiled with the head as ``head=`` installs
+it (``"chunked"``, or as the model computes it), a fractional budget is of that step, and
+``head="auto"`` keeps the head with a note and a warning saying so.
 """
 
 from __future__ import annotations
@@ -63,9 +71,9 @@ def head_note(estimates: Mapping[str, Estimate], bound: str = "peak") -> str:
     off_plain, off_chunked = (measure(e, ["off"] * len(e.layers)) for e in (plain, chunked))
     full_plain, full_chunked = (measure(e, ["full"] * len(e.layers)) for e in (plain, chunked))
     what = "peak" if bound == "peak" else "saved for backward"
-    return (f"the head and the loss (NOTE [The head in the plan]): {what} with no recompute {off_plain / 2**20:.1f} MiB "
-            f"as the model computes them, {off_chunked / 2**20:.1f} MiB chunked; with every layer full "
-            f"{full_plain / 2**20:.1f} MiB, {full_chunked / 2**20:.1f} MiB chunked; chunking costs "
+    return (f"the head and the loss (NOTE [The head in the plan]): {what} with no recompute "
+            f"{off_plain / 2**20:.1f} MiB as the model computes them, {off_chunked / 2**20:.1f} MiB chunked; with "
+            f"every layer full {full_plain / 2**20:.1f} MiB, {full_chunked / 2**20:.1f} MiB chunked; chunking costs "
             f"{(chunked.base_flops - plain.base_flops) / 1e9:.3f} GFLOP "
             f"({100 * (chunked.base_flops - plain.base_flops) / max(plain.base_flops, 1):.1f}% of the step).")
 
