@@ -59,10 +59,10 @@ enabled? deferred logits?) stay traceable:
 * the whole model (``model.compile()``, ``torch.compile(model)``, any backend): one graph break
   before the head (and one around a tied embedding's lookup, and one after the head where the model
   soft-caps its logits); the decoder stack between stays one graph, and the head's projection and
-  cross-entropy run eagerly in chunks, as without compile: the same loss and gradients (bitwise the
-  eager chunked head's on the CPU with ``aot_eager``; ``tests/test_head_compile.py``). What the
-  break costs: Inductor does not fuse the loss into the logits' matmul, which un-chunked it could
-  only do by materialising the logits whole;
+  cross-entropy run eagerly in chunks, as without compile: the loss and the gradients within the
+  bound docs/correctness.md states (``tests/test_head_compile.py``). What the break costs: Inductor
+  does not fuse the loss into the logits' matmul, which un-chunked it could only do by building the
+  logits whole;
 * ``fullgraph=True`` on the whole model refuses the break with dynamo's ``Unsupported``, whose
   message is hyperac's reason and fix (compile per layer, without ``fullgraph``, or ``head='off'``);
 * without grad (evaluation, generation) the head is the model's own and traces; no break.

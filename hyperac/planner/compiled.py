@@ -64,6 +64,7 @@ The price is compiling the five modes with that backend while planning: on the d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
@@ -130,9 +131,11 @@ def _pack(saved: dict[int, int], excluded: set[int], tensor: torch.Tensor) -> to
     return tensor
 
 
-def _step(model: nn.Module, sample: Any) -> None:
+def _step(model: nn.Module, sample: Any, forward: contextlib.AbstractContextManager | None = None) -> None:
+    """One training step; ``forward``: a context around its forward only."""
     torch.manual_seed(0)
-    loss, output = _loss(model, sample)
+    with forward or contextlib.nullcontext():
+        loss, output = _loss(model, sample)
     del output
     loss.backward()
     model.zero_grad(set_to_none=True)
@@ -145,12 +148,7 @@ def _saved_bytes(model: nn.Module, sample: Any) -> int:
     is active: either changes what the compiled layers save."""
     saved: dict[int, int] = {}
     excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    torch.manual_seed(0)
-    with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, saved, excluded), _unpack):
-        loss, output = _loss(model, sample)
-    del output
-    loss.backward()
-    model.zero_grad(set_to_none=True)
+    _step(model, sample, torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, saved, excluded), _unpack))
     return sum(saved.values())
 
 
