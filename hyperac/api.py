@@ -19,7 +19,7 @@ from .compiled import mechanism_note, require_knapsack, require_offloading
 from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, RankFailedError, UnsupportedModelError
-from .head import head_policy, install_head, resolve_head, unweighed_note
+from .head import COMPILED_HEAD_NOTE, head_policy, install_head, resolve_head, unweighed_note
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, LengthBucket, Plan
@@ -384,6 +384,8 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     head, head_target = resolve_head(  # NOTE [The head and the loss in chunks] in head.py
         prediction.pop("head", None) or config.head or (config.plan.head if config.plan else "off"), named_modules,
         notes)
+    if config.compile and head == "chunked":
+        notes.append(COMPILED_HEAD_NOTE)
     result = Plan(backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes),
                   head=head, **prediction)
     for variant_modes, variant_swaps, *_ in variants:  # every plan a bucket may run

@@ -89,8 +89,8 @@ from .errors import HyperACWarning
 from .state import AppliedState, Attribute, Override
 
 __all__ = [
-    "ChunkedHeadForward", "ChunkedLoss", "DeferredLogits", "chunk_tokens", "find_head", "install_head",
-    "head_policy", "resolve_head", "unweighed_note",
+    "COMPILED_HEAD_NOTE", "ChunkedHeadForward", "ChunkedLoss", "DeferredLogits", "chunk_tokens", "find_head",
+    "install_head", "head_policy", "resolve_head", "unweighed_note",
 ]
 
 _SELF = object()  # where the deferred tensor sits in a recorded op's arguments
@@ -479,6 +479,11 @@ def resolve_head(wanted: str, modules: list[tuple[str, nn.Module]], notes: list[
         notes.append(message)
         return "off", None
     return ("chunked", found) if wanted == "chunked" else ("off", None)
+
+
+COMPILED_HEAD_NOTE = ("under torch.compile: the chunked head and loss run eagerly between the compiled graphs (a "
+                      "whole-model graph breaks before the head; NOTE [The chunked head under torch.compile])")
+"""The plan note of a ``compile=True`` apply with the head chunked."""
 
 
 def head_policy(config: Any, modules: list[tuple[str, nn.Module]]) -> str | None:

@@ -304,8 +304,9 @@ def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, 
     else:
         head, estimates, chosen, budget_bytes = choose_head(head_policy, estimate_of, budget, ESTIMATE_MODES,
                                                             bound="kept")
-        head_notes = [head_note(estimates, bound="kept")] + (
-            [fallback_message(budget_bytes)] if head_policy == "fallback" and head == "chunked" else [])
+        if "chunked" in estimates:
+            head_notes = [head_note(estimates, bound="kept")] + (
+                [fallback_message(budget_bytes)] if head_policy == "fallback" else [])
     estimate, noise = profiles[head]
     chosen, notes = _mixed_or_uniform(estimate, chosen, budget_bytes, noise)
     return chosen, [False] * len(chosen), {
