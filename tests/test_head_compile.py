@@ -122,9 +122,9 @@ def test_inductor_whole_model() -> None:
     reference = step(model, inputs)[:2]
     hyperac.apply(model, mode="selective", head="chunked", head_chunk=16, compile=True)
     loss, grads, _, saved = compiled_step(model, compiled(model, "model", backend="inductor"), inputs)
-    assert abs(loss - reference[0]) <= 1e-6 * reference[0]  # Inductor's layers: rounding of their own
+    assert abs(loss - reference[0]) <= 1e-6 * reference[0]  # Inductor's layers may round as eager ones do not
     for name, grad in reference[1].items():
-        assert (grads[name] - grad).abs().max() <= 1e-4 * grad.abs().max(), name
+        assert (grads[name] - grad).abs().max() <= HEAD_BOUND * grad.abs().max(), name
     assert_logits_never_saved_whole(saved, inputs)
 
 
