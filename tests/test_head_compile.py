@@ -155,3 +155,12 @@ def test_auto_under_compile_chunks_the_head_to_meet_a_budget(monkeypatch: pytest
     measured = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
                     if t.untyped_storage().data_ptr() not in parameters}.values())
     assert measured == plan.predicted_bytes, (measured, plan.predicted_bytes)
+
+
+def test_a_plan_with_the_head_chunked_applies_under_compile() -> None:
+    """A plan file's chunked head is installed with compile=True as head='chunked' is (it was refused)."""
+    model = FAMILIES["llama"]()
+    planned = hyperac.apply(copy.deepcopy(model), mode="selective", head="chunked")
+    plan = hyperac.apply(model, plan=hyperac.Plan.from_dict(planned.to_dict()), compile=True)
+    assert plan.head == "chunked" and "forward" in model.lm_head.__dict__
+    assert "note: under torch.compile: the chunked head and loss run eagerly" in str(plan)
