@@ -19,7 +19,7 @@ from .compiled import mechanism_note, require_knapsack, require_offloading
 from .config import KNAPSACK_MODES, MODES, RECOMPUTE_MODES, SELECTIVE_MODES, Config
 from .discovery import Layer, discover_layers
 from .errors import ConfigError, HyperACWarning, RankFailedError, UnsupportedModelError
-from .head import head_policy, install_head, resolve_head
+from .head import COMPILED_HEAD_NOTE, head_policy, install_head, resolve_head, unweighed_note
 from .layer_modes import assign_modes, reversible_note
 from .length_switch import LengthSwitch, install_switched
 from .plan import LayerPlan, LengthBucket, Plan
@@ -315,22 +315,30 @@ def apply(
                 group = plan_group(config.group)
     elif config.mode == "auto":
         group = plan_group(config.group)
+        policy = head_policy(config, named_modules)  # NOTE [The head in the plan] in planner/head.py
         if config.compile:  # plan for compiled layers (planner/compiled.py)
+            run_modes = {head: _uniform_runner(chosen_backend, config.adapter, compile=True, head=head,
+                                               head_chunk=config.head_chunk)(model, _containers(found))
+                         for head in ("off", "chunked")}
             modes, planned_swaps, prediction = compiled_auto_modes(
-                model, found, config.budget, config.sample,
-                _uniform_runner(chosen_backend, config.adapter, compile=True)(model, _containers(found)),
-                chosen_backend, config.compile, group)
-        elif policy := head_policy(config, named_modules):  # NOTE [The head in the plan] in planner/head.py
+                model, found, config.budget, config.sample, run_modes, chosen_backend, config.compile, group, policy)
+        elif policy:
             runners = {head: _uniform_runner(chosen_backend, config.adapter, head=head, head_chunk=config.head_chunk)
                        for head in ("off", "chunked")}
             modes, planned_swaps, prediction = head_auto_modes(
                 model, found, config.budget, config.sample, runners, policy, chosen_backend, _host_budget(config),
                 config.min_swap_bytes, group)
         else:
+            # Plans per length bucket do not weigh the head: every length is profiled with it as installed.
+            fixed_head = "chunked" if config.head == "chunked" else "off"
             modes, planned_swaps, prediction = auto_modes(
-                model, found, config.budget, config.sample, _uniform_runner(chosen_backend, config.adapter),
+                model, found, config.budget, config.sample,
+                _uniform_runner(chosen_backend, config.adapter, head=fixed_head, head_chunk=config.head_chunk),
                 chosen_backend, _host_budget(config), config.min_swap_bytes, config.max_seq_len,
                 config.sequence_dim, config.length_buckets, group)
+        if note := unweighed_note(config, named_modules):
+            warnings.warn(note, HyperACWarning, stacklevel=2)
+            prediction["notes"] = [*prediction.get("notes", []), note]
     else:
         modes = assign_modes(found, config)
     try:  # NOTE [One plan per job] in planner/group.py
@@ -377,6 +385,8 @@ def _apply_modes(model: nn.Module, named_modules: list[tuple[str, nn.Module]], f
     head, head_target = resolve_head(  # NOTE [The head and the loss in chunks] in head.py
         prediction.pop("head", None) or config.head or (config.plan.head if config.plan else "off"), named_modules,
         notes)
+    if config.compile and head == "chunked":
+        notes.append(COMPILED_HEAD_NOTE)
     result = Plan(backend=chosen_backend.name, adapter=adapter_name, layers=tuple(layer_plans), notes=tuple(notes),
                   head=head, **prediction)
     for variant_modes, variant_swaps, *_ in variants:  # every plan a bucket may run
@@ -607,12 +617,17 @@ def estimate(model: nn.Module, sample: Any, *, backend: Any = "auto", layers: An
         min_swap_bytes: as for :func:`apply`: the swap costs count only storages of at least this
             many bytes (default ``Config``'s, 1 MiB).
         head: as for :func:`apply`: ``"chunked"`` profiles every step with the head and the loss chunked
-            (NOTE [The head in the plan]); ``None`` and ``"off"``, as the model computes them.
+            (NOTE [The head in the plan]); ``None`` and ``"off"``, as the model computes them; not
+            ``"auto"`` (an estimate profiles one head: estimate each to compare).
         head_chunk: as for :func:`apply`: tokens per chunk of the chunked head.
 
     Returns:
         An :class:`hyperac.planner.Estimate`; ``print()`` it for a table.
     """
+    if head == "auto":  # Config would name the mode estimate() profiles with, not one the caller chose
+        raise ConfigError("estimate(head='auto'): an estimate profiles the head one way; give head='off' or "
+                          "head='chunked' (an estimate of each shows the head's share), or let "
+                          "apply(mode='auto', head='auto') weigh both.")
     config = resolve_config(None, dict(mode="full", backend=backend, layers=layers, sample=sample,
                                        min_swap_bytes=min_swap_bytes, head=head, head_chunk=head_chunk))
     if config.layer_spec.rules:

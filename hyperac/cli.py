@@ -250,14 +250,30 @@ def _write_plan(path: str, layers: tuple[Any, ...], predictions: dict[str, Any],
         raise HyperACError(f"--output: cannot write {path!r}: {error.strerror}.") from None
 
 
+def _as_config(args: argparse.Namespace) -> argparse.Namespace:
+    """The options of ``apply(mode="auto")`` that decide how it plans the head, as ``hyperac plan``'s say."""
+    return argparse.Namespace(head=None if args.head == "default" else args.head, bitwise=args.head == "off",
+                              max_seq_len=args.max_seq_len, compile=False)
+
+
 def _head_policy(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
     """How the plan weighs the head (NOTE [The head in the plan]), as ``apply(mode="auto")`` with ``head=``
     as ``--head`` says."""
     from .head import head_policy
 
-    return head_policy(argparse.Namespace(head=None if args.head == "default" else args.head,
-                                          bitwise=args.head == "off", max_seq_len=args.max_seq_len, compile=False),
-                       list(model.named_modules()))
+    return head_policy(_as_config(args), list(model.named_modules()))
+
+
+def _sees_head(model: torch.nn.Module) -> bool:
+    from .head import find_head
+
+    return not isinstance(find_head(list(model.named_modules())), str)
+
+
+def _unweighed_note(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
+    from .head import unweighed_note
+
+    return unweighed_note(_as_config(args), list(model.named_modules()))
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -271,22 +287,31 @@ def plan(args: argparse.Namespace) -> int:
     host_budget = _host_budget_bytes(args)
     model, sample_at, described = _model_and_samples(args)
     print(f"estimating {described}, on the meta device, costed on {args.device}...", file=sys.stderr, flush=True)
-    estimates = _estimates(args, model, sample_at)
-    estimate = estimates[-1]
-    count = len(estimate.layers)
-    off = estimate.peak_bytes(["off"] * count)
+    policy = _head_policy(args, model)
+    # Not weighed (--max-seq-len): the head as --head says, as apply(mode="auto", max_seq_len=) plans it.
+    fixed = "chunked" if policy is None and args.head == "chunked" and _sees_head(model) else "off"
+    by_lengths = {fixed: _estimates(args, model, sample_at, fixed)}
+    count = len(by_lengths[fixed][-1].layers)
+    off = by_lengths[fixed][-1].peak_bytes(["off"] * count)
     budget_bytes = parse_budget(args.budget, off)
     options = ESTIMATE_MODES if host_budget is None else ESTIMATE_MODES + SWAP_OPTIONS
-    policy = _head_policy(args, model)
-    by_head = {"off": estimate}
+    by_head = {fixed: by_lengths[fixed][-1]}
+
+    def estimate_of(h: str) -> Any:
+        if h not in by_lengths:
+            by_lengths[h] = _estimates(args, model, sample_at, h)
+        return by_lengths[h][-1]
+
     if policy is not None:  # NOTE [The head in the plan]
-        head, by_head, modes, _ = choose_head(policy, lambda h: estimate if h == "off" else _estimates(
-            args, model, sample_at, h)[-1], budget_bytes, options, host_budget)
-        estimate = by_head[head]
+        head, by_head, modes, _ = choose_head(policy, estimate_of, budget_bytes, options, host_budget)
     else:
-        head, modes = "off", choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget)
+        head, modes = fixed, choose_modes(by_head[fixed], budget_bytes, options, host_budget_bytes=host_budget)
+    estimates, estimate = by_lengths[head], by_head[head]
     resolved = resolve_choice(estimate, modes, budget_bytes, args.max_seq_len)
     resolved[2]["head"] = head
+    unweighed = _unweighed_note(args, model)
+    if unweighed is not None:
+        resolved[2]["notes"] = [*resolved[2]["notes"], unweighed]
     buckets = () if args.max_seq_len is None else length_buckets(
         bucket_bounds(args.max_seq_len, args.length_buckets), estimates, modes, resolved[0], budget_bytes)
     layers = _plan_layers(model, resolved[0], resolved[1])
@@ -307,8 +332,13 @@ def plan(args: argparse.Namespace) -> int:
     for bucket in buckets:
         print(f"  batches up to {bucket.max_len}: {mode_letters(bucket.modes)}, peak "
               f"{bucket.predicted_peak_bytes / 2**30:.2f} GiB, step {bucket.predicted_step_seconds * 1e3:.1f} ms")
-    if "chunked" in by_head:
+    if "chunked" in by_head and "off" in by_head:
         print(f"head: {head}; {head_note(by_head)}")
+    elif unweighed is not None:
+        print(f"head: {head}; {unweighed}")
+    elif head == "chunked":
+        print("head: chunked, as --head says (every length profiled with it chunked; plans per length bucket do not "
+              "weigh it against the head as the model computes it)")
     if args.output is not None:
         print(f"wrote the plan to {args.output}: hyperac.apply(model, plan=json.load(open({args.output!r})))")
     return 0

@@ -341,7 +341,10 @@ class Config:
     ``"auto"`` (with ``mode="auto"``): the planner weighs both, like a layer mode, and keeps the faster
     plan that fits. ``None``: ``"off"`` for a fixed mode; ``mode="auto"`` keeps the head as it is unless
     only chunking it meets the budget (then with a warning), and never with ``bitwise=True``. A model
-    whose loss hyperac cannot see keeps its head, and ``print(plan)`` says why."""
+    whose loss hyperac cannot see keeps its head, and ``print(plan)`` says why. With ``compile`` the
+    head and the loss run eagerly between the compiled graphs (NOTE [The chunked head under
+    torch.compile] in hyperac/head.py); with ``max_seq_len`` the plan does not weigh the head
+    (``"auto"`` keeps it, and says so)."""
 
     head_chunk: int | None = None
     """Tokens per chunk of the chunked head. ``None``: a power of two that makes one chunk's logits
@@ -470,11 +473,6 @@ class Config:
         # A plan applied with head=None installs the head as the plan has it (api._apply_modes).
         planned = self.head is None and getattr(self.plan, "head", "off") == "chunked"
         chunked = "Config.plan's head 'chunked'" if planned else "Config.head='chunked'"
-        if (self.head == "chunked" or planned) and self.compile:
-            raise ConfigError(
-                f"{chunked} is not supported with compile=True yet (its deferred logits are a tensor "
-                "subclass the compiler would break its graph on); use head='off' under compile, or compile=False."
-            )
         if (self.head == "chunked" or planned) and self.bitwise:
             raise ConfigError(
                 f"{chunked} with bitwise=True: the chunked head sums its weight's gradient chunk by chunk, "

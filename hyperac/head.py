@@ -4,7 +4,9 @@ Trade-off: the head and the loss keep no logits for backward (one chunk's at a t
 again in backward) for one more head projection per step (``2 x tokens x hidden x vocabulary`` FLOPs,
 3.5% of a Llama-3-8B step at 8,192 tokens by ``hyperac plan``'s count), and the gradients are within
 float32 rounding of the un-chunked ones, not bitwise; the loss is bitwise on the CPU (NOTE [The head
-and the loss in chunks]).
+and the loss in chunks]). Under ``torch.compile`` they run eagerly, between graphs: a whole-model
+graph breaks before the head, and ``fullgraph=True`` of the whole model is refused (NOTE [The chunked
+head under torch.compile]).
 
 NOTE [The head and the loss in chunks]
 A causal LM's logits are tokens x vocabulary: at 8,192 tokens and Llama-3's 128,256 entries they are
@@ -39,8 +41,35 @@ follows the chunk's size: within float32 rounding of the un-chunked ones (bitwis
 Left as they are (``print(plan)`` says which and why): models whose loss is not ``ForCausalLMLoss``,
 whose head is not a plain ``nn.Linear``, or whose head has forward hooks of others (an FSDP2
 ``fully_shard`` of the head alone: its unshard would not be around the chunked reads of its weight;
-sharded with the model, as ``tests/distributed_worker.py`` runs it, the head is chunked). Not under
-``compile=True`` (a ConfigError): the deferred logits are a tensor subclass.
+sharded with the model, as ``tests/distributed_worker.py`` runs it, the head is chunked).
+
+NOTE [The chunked head under torch.compile]
+The head, the loss and the tied lookup run eagerly, outside any compiled graph, whatever
+``Config.compile`` says: the deferred logits are a wrapper subclass without ``__tensor_flatten__``
+whose ops run Python (record, or compute whole), the loss's CPU sum is a numpy loop, and the tied
+lookup hands a Python object from forward to backward; none of it traces. Dynamo left to itself
+breaks the graph inside them with a warning about ``_make_wrapper_subclass`` and a graph break per
+recorded op; so the pieces that make or read deferred logits (:meth:`ChunkedHeadForward.deferred`,
+:meth:`ChunkedLoss.deferred`, :meth:`TiedLookupForward.lookup`, ``DeferredLogits.__torch_function__``)
+are ``torch.compiler.disable``-d with hyperac's reason, and the decisions around them (grad
+enabled? deferred logits?) stay traceable:
+
+* compiled per layer (``layer.compile()``, torchtitan's ``torch.compile(block, fullgraph=True)``):
+  the head and the loss are outside the layers' graphs anyway; nothing changes;
+* the whole model (``model.compile()``, ``torch.compile(model)``, any backend): one graph break
+  before the head (and one around a tied embedding's lookup, and one after the head where the model
+  soft-caps its logits); the decoder stack between stays one graph, and the head's projection and
+  cross-entropy run eagerly in chunks, as without compile: the loss and the gradients within the
+  bound docs/correctness.md states (``tests/test_head_compile.py``). What the break costs: Inductor
+  does not fuse the loss into the logits' matmul, which un-chunked it could only do by building the
+  logits whole;
+* ``fullgraph=True`` on the whole model refuses the break with dynamo's ``Unsupported``, whose
+  message is hyperac's reason and fix (compile per layer, without ``fullgraph``, or ``head='off'``);
+* without grad (evaluation, generation) the head is the model's own and traces; no break.
+
+A traceable design (a custom op per chunk, the logits' graph output replaced by a stand-in) would
+keep the whole model in one graph, but the model returns its logits, which a graph output must
+materialise: the deferral is Python, and Python is what a graph break is for.
 """
 
 from __future__ import annotations
@@ -60,8 +89,8 @@ from .errors import HyperACWarning
 from .state import AppliedState, Attribute, Override
 
 __all__ = [
-    "ChunkedHeadForward", "ChunkedLoss", "DeferredLogits", "chunk_tokens", "find_head", "install_head",
-    "head_policy", "resolve_head",
+    "COMPILED_HEAD_NOTE", "ChunkedHeadForward", "ChunkedLoss", "DeferredLogits", "chunk_tokens", "find_head",
+    "install_head", "head_policy", "resolve_head", "unweighed_note",
 ]
 
 _SELF = object()  # where the deferred tensor sits in a recorded op's arguments
@@ -83,6 +112,13 @@ _METADATA = frozenset({
     descriptor.__get__ for name, descriptor in vars(torch._C.TensorBase).items()
     if name.startswith("is_") and inspect.isgetsetdescriptor(descriptor)
 )
+
+
+_outside_graph = torch.compiler.disable(reason=(
+    "hyperac: the chunked LM head and its loss (Config.head='chunked') run outside the compiled graph (NOTE "
+    "[The chunked head under torch.compile] in hyperac/head.py), so a model applied with them cannot be compiled "
+    "with fullgraph=True; compile each decoder layer instead (layer.compile(fullgraph=True), as torchtitan does), "
+    "compile the model without fullgraph=True, or apply with head='off'."))
 
 
 class DeferredLogits(torch.Tensor):
@@ -120,6 +156,7 @@ class DeferredLogits(torch.Tensor):
         return self.value
 
     @classmethod
+    @_outside_graph
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -273,6 +310,10 @@ class ChunkedHeadForward(Override):
         module, call = self.module_and_forward()
         if not torch.is_grad_enabled():
             return call(hidden)  # type: ignore[no-any-return]
+        return self.deferred(module, hidden)
+
+    @_outside_graph
+    def deferred(self, module: nn.Module, hidden: torch.Tensor) -> DeferredLogits:
         lookup = None
         if self.tied is not None:
             lookup, self.tied.pending = self.tied.pending, None
@@ -349,6 +390,10 @@ class TiedLookupForward(Override):
         module, call = self.module_and_forward()
         if not (torch.is_grad_enabled() and module.weight.requires_grad):
             return call(ids)  # type: ignore[no-any-return]
+        return self.lookup(module, ids)
+
+    @_outside_graph
+    def lookup(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         self.tied.pending = TiedLookup()
         return _TiedEmbedding.apply(ids, module.weight, module.padding_idx, self.tied.pending)  # type: ignore[no-any-return]
 
@@ -374,8 +419,16 @@ class ChunkedLoss(Attribute):
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
                  num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
                  **kwargs: Any) -> torch.Tensor:
+        if isinstance(logits, DeferredLogits):
+            return self.deferred(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+        return self.loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,  # type: ignore[no-any-return]
+                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+
+    @_outside_graph
+    def deferred(self, logits: DeferredLogits, labels: torch.Tensor, vocab_size: int | None, num_items_in_batch: Any,
+                 ignore_index: int, shift_labels: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
         targets = labels if shift_labels is None else shift_labels
-        if isinstance(logits, DeferredLogits) and logits.value is None and targets.shape == logits.shape[:-1]:
+        if logits.value is None and targets.shape == logits.shape[:-1]:
             return chunked_causal_loss(logits, labels, self.chunk, num_items_in_batch, ignore_index, shift_labels)
         return self.loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,  # type: ignore[no-any-return]
                          ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
@@ -428,15 +481,31 @@ def resolve_head(wanted: str, modules: list[tuple[str, nn.Module]], notes: list[
     return ("chunked", found) if wanted == "chunked" else ("off", None)
 
 
+COMPILED_HEAD_NOTE = ("under torch.compile: the chunked head and loss run eagerly between the compiled graphs (a "
+                      "whole-model graph breaks before the head; NOTE [The chunked head under torch.compile])")
+"""The plan note of a ``compile=True`` apply with the head chunked."""
+
+
 def head_policy(config: Any, modules: list[tuple[str, nn.Module]]) -> str | None:
     """How ``mode="auto"`` plans the head (NOTE [The head in the plan] in planner/head.py): ``None``, as
-    without a head option (the head ``"off"``, results bitwise, plans per length bucket or compiled, or
+    without a head option (the head ``"off"``, results bitwise, plans per length bucket, or
     a loss hyperac cannot see); ``"chunked"`` where the user named it; ``"weigh"`` for ``head="auto"``;
     else ``"fallback"``: the head as it is unless only chunking it meets the budget."""
-    if (config.head == "off" or config.bitwise or config.max_seq_len is not None or config.compile
+    if (config.head == "off" or config.bitwise or config.max_seq_len is not None
             or isinstance(find_head(modules), str)):
         return None
     return {"chunked": "chunked", "auto": "weigh"}.get(config.head, "fallback")
+
+
+def unweighed_note(config: Any, modules: list[tuple[str, nn.Module]]) -> str | None:
+    """Why ``head="auto"`` keeps the head as the model computes it where ``mode="auto"`` plans without
+    weighing it (with ``max_seq_len``; NOTE [The head in the plan] in planner/head.py), for
+    ``print(plan)``; ``None`` elsewhere."""
+    if config.head != "auto" or config.max_seq_len is None or isinstance(find_head(modules), str):
+        return None
+    return ("Config.head='auto' kept the head and the loss as the model computes them: mode='auto' with "
+            "max_seq_len= (plans per length bucket) does not weigh the chunked head yet; head='chunked' plans the "
+            "layers with them chunked.")
 
 
 def install_head(found: tuple[str, nn.Module, str, nn.Module], state: AppliedState, chunk: int | None) -> None:

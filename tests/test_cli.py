@@ -550,6 +550,20 @@ def test_plan_max_seq_len_plans_for_that_length(files, capsys, tmp_path):
     assert json.loads(path.read_text())["max_seq_len"] == 128
 
 
+@pytest.mark.parametrize("head, written", [("chunked", "chunked"), ("auto", "off")])
+def test_plan_max_seq_len_writes_the_head_it_planned(files, capsys, tmp_path, head, written):
+    """``--max-seq-len`` plans per length bucket, which do not weigh the head: ``--head chunked`` plans
+    with the head chunked and writes it so; ``--head auto`` keeps it and says why, printed and in the file."""
+    path = tmp_path / "plan.json"
+    out = run_plan(["--config", str(files / "config.json"), "--budget", "1.0", "--device", "cpu", "--seq", "32",
+                    "--max-seq-len", "64", "--head", head, "--output", str(path)], capsys)
+    plan = json.loads(path.read_text())
+    assert plan["head"] == written
+    note = "Config.head='auto' kept the head and the loss as the model computes them: mode='auto' with max_seq_len="
+    assert (note in out and note in plan["notes"][-1]) == (head == "auto"), out
+    assert ("head: chunked, as --head says" in out) == (head == "chunked"), out
+
+
 def test_plan_builds_the_architecture_a_config_names(files, capsys):
     bert = dict(model_type="bert", architectures=["BertForMaskedLM"], hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, vocab_size=128)

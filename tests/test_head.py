@@ -283,7 +283,6 @@ def test_plan_records_the_head_and_applies_it_again() -> None:
                                          "gradient chunk by chunk"),
     (dict(head="sometimes"), "Config.head must be None, 'off', 'chunked' or 'auto', got 'sometimes'"),
     (dict(head="auto"), "Config.head='auto' lets mode='auto' weigh the chunked head, but mode='full'"),
-    (dict(head="chunked", compile=True), "Config.head='chunked' is not supported with compile=True yet"),
     (dict(head_chunk=0), "Config.head_chunk must be None or an int >= 1 (tokens per chunk), got 0"),
     (dict(bitwise="yes"), "Config.bitwise must be a bool (True or False), got 'yes'"),
 ])
@@ -292,14 +291,14 @@ def test_head_options_are_validated(options: dict[str, Any], message: str) -> No
         hyperac.Config(**options)
 
 
-@pytest.mark.parametrize("options", [dict(bitwise=True), dict(compile=True)], ids=["bitwise", "compile"])
-def test_a_plan_with_the_head_chunked_is_held_to_the_same_refusals(options: dict[str, Any]) -> None:
-    """A plan applied with head=None installs its head as it was planned: bitwise=True and compile=True
-    refuse it as they refuse head='chunked' (they installed it before)."""
+def test_a_plan_with_the_head_chunked_is_held_to_the_same_refusals() -> None:
+    """A plan applied with head=None installs its head as it was planned: bitwise=True refuses it as it
+    refuses head='chunked' (it installed it before). compile=True takes it (tests/test_head_compile.py)."""
     plan = {**hyperac.Plan(backend="cpu", adapter="none", layers=()).to_dict(), "head": "chunked"}
-    with pytest.raises(hyperac.ConfigError, match=r"Config.plan's head 'chunked' (with bitwise=True|is not supp)"):
-        hyperac.Config(plan=plan, **options)
-    hyperac.Config(plan=plan, head="off", **options)  # the user's head= wins over the plan's
+    with pytest.raises(hyperac.ConfigError, match=r"Config.plan's head 'chunked' with bitwise=True"):
+        hyperac.Config(plan=plan, bitwise=True)
+    hyperac.Config(plan=plan, head="off", bitwise=True)  # the user's head= wins over the plan's
+    assert hyperac.Config(plan=plan, compile=True).plan.head == "chunked"
 
 
 def test_a_bad_head_in_a_plan_dict_is_named() -> None:
@@ -339,3 +338,36 @@ def test_auto_never_chunks_the_head_where_results_must_be_bitwise() -> None:
     with pytest.raises(hyperac.ConfigError, match="is below the smallest plan"):
         hyperac.apply(model, mode="auto", budget=0.5, sample=sample, bitwise=True, head_chunk=16)
     assert hyperac.apply(model, mode="auto", budget=1.0, sample=sample, bitwise=True, head_chunk=16).head == "off"
+
+
+def test_estimate_refuses_head_auto_in_its_own_words() -> None:
+    model = FAMILIES["llama-untied"]()
+    with pytest.raises(hyperac.ConfigError, match=r"^estimate\(head='auto'\): an estimate profiles the head one way; "
+                                                  r"give head='off' or head='chunked'"):
+        hyperac.estimate(model, batch(), head="auto")
+
+
+def test_auto_with_max_seq_len_plans_the_head_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans per length bucket do not weigh the head: head='chunked' profiles every length with it
+    chunked and installs it; head='auto' keeps it as the model computes it and says so."""
+    from hyperac import head
+
+    chunked_loss, calls = head.chunked_causal_loss, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return chunked_loss(*args, **kwargs)
+
+    monkeypatch.setattr(head, "chunked_causal_loss", counted)
+    model = FAMILIES["llama-untied"]()
+    sample = batch(seq=32)
+    plan = hyperac.apply(copy.deepcopy(model), mode="auto", budget=1.0, sample=sample, max_seq_len=64,
+                         head="chunked", head_chunk=16)
+    assert plan.head == "chunked" and plan.max_seq_len == 64 and calls[0] > 0
+    message = ("Config.head='auto' kept the head and the loss as the model computes them: mode='auto' with "
+               "max_seq_len= (plans per length bucket) does not weigh the chunked head yet; head='chunked' plans the "
+               "layers with them chunked.")
+    calls[0] = 0
+    with pytest.warns(hyperac.HyperACWarning, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan = hyperac.apply(model, mode="auto", budget=1.0, sample=sample, max_seq_len=64, head="auto")
+    assert plan.head == "off" and f"note: {message}" in str(plan) and calls[0] == 0

@@ -64,12 +64,13 @@ The price is compiling the five modes with that backend while planning: on the d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +82,7 @@ from ..measure import flop_counter
 from ..plan import mode_letters
 from .cost import ESTIMATE_MODES, Estimate, LayerEstimate
 from .group import ALONE, PlanGroup, agree_on_options, slowest
+from .head import choose_head, fallback_message, head_note
 from .profile import _loss
 from .restore import side_effects_undone
 from .solver import choose_modes
@@ -129,21 +131,24 @@ def _pack(saved: dict[int, int], excluded: set[int], tensor: torch.Tensor) -> to
     return tensor
 
 
-def _step(model: nn.Module, sample: Any) -> None:
+def _step(model: nn.Module, sample: Any, forward: contextlib.AbstractContextManager | None = None) -> None:
+    """One training step; ``forward``: a context around its forward only."""
     torch.manual_seed(0)
-    loss, output = _loss(model, sample)
+    with forward or contextlib.nullcontext():
+        loss, output = _loss(model, sample)
     del output
     loss.backward()
     model.zero_grad(set_to_none=True)
 
 
 def _saved_bytes(model: nn.Module, sample: Any) -> int:
-    """The bytes one compiled step saves for backward: distinct storages, parameters excluded. No
-    module hook and no dispatch mode is active: either changes what the compiled layers save."""
+    """The bytes one compiled step's forward saves for backward: distinct storages, parameters
+    excluded. Not what backward saves as it goes (the chunked head's recomputed chunks, one at a
+    time: NOTE [The head and the loss in chunks] in head.py). No module hook and no dispatch mode
+    is active: either changes what the compiled layers save."""
     saved: dict[int, int] = {}
     excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, saved, excluded), _unpack):
-        _step(model, sample)
+    _step(model, sample, torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, saved, excluded), _unpack))
     return sum(saved.values())
 
 
@@ -273,21 +278,40 @@ def _mixed_or_uniform(estimate: Estimate, chosen: list[str], budget_bytes: int,
     ]
 
 
-def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any, run_mode: Callable,
-                        backend: Any, compile: bool | str, group: PlanGroup = ALONE,
-                        ) -> tuple[list[str], list[bool], dict[str, Any]]:
+def compiled_auto_modes(model: nn.Module, layers: Sequence[Layer], budget: Any, sample: Any,
+                        run_modes: Mapping[str, Callable], backend: Any, compile: bool | str, group: PlanGroup = ALONE,
+                        head_policy: str | None = None) -> tuple[list[str], list[bool], dict[str, Any]]:
     """``mode="auto"`` under ``compile=True``: per-layer modes (no swap) and the plan's predictions;
-    the budget bounds the bytes the compiled step saves for backward; ``compile``: ``Config.compile``;
-    ``group``: the ranks that plan together (NOTE [One plan per job] in group.py)."""
+    the budget bounds the bytes the compiled step saves for backward; ``run_modes``: by the head
+    (``"off"``, ``"chunked"``), ``run_mode`` as for :func:`compiled_estimate`; ``head_policy``: how the
+    head is planned (NOTE [The head in the plan] in planner/head.py), ``None`` for the head ``"off"``;
+    ``compile``: ``Config.compile``; ``group``: the ranks that plan together (NOTE [One plan per job] in
+    group.py)."""
     agree_on_options(group, budget, sample, [layer.fqn for layer in layers], {"compile=": compile,
-                                                                              "backend": backend.name})
-    estimate, noise = compiled_estimate(model, sample, layers, run_mode, backend, COMPILED_ROUNDS,
-                                        compile_backend(compile), group)
-    budget_bytes = parse_budget(budget, estimate.total_bytes(["off"] * len(layers)))
-    chosen, notes = _mixed_or_uniform(estimate, choose_modes(estimate, budget_bytes, ESTIMATE_MODES, bound="kept"),
-                                   budget_bytes, noise)
+                                                                              "backend": backend.name,
+                                                                              "head=": head_policy})
+    profiles: dict[str, tuple[Estimate, float]] = {}
+
+    def estimate_of(head: str) -> Estimate:
+        profiles[head] = compiled_estimate(model, sample, layers, run_modes[head], backend, COMPILED_ROUNDS,
+                                           compile_backend(compile), group)
+        return profiles[head][0]
+
+    head, chosen, head_notes = "off", None, []
+    if head_policy is None:
+        budget_bytes = parse_budget(budget, estimate_of("off").total_bytes(["off"] * len(layers)))
+        chosen = choose_modes(profiles["off"][0], budget_bytes, ESTIMATE_MODES, bound="kept")
+    else:
+        head, estimates, chosen, budget_bytes = choose_head(head_policy, estimate_of, budget, ESTIMATE_MODES,
+                                                            bound="kept")
+        if "chunked" in estimates:
+            head_notes = [head_note(estimates, bound="kept")] + (
+                [fallback_message(budget_bytes)] if head_policy == "fallback" else [])
+    estimate, noise = profiles[head]
+    chosen, notes = _mixed_or_uniform(estimate, chosen, budget_bytes, noise)
     return chosen, [False] * len(chosen), {
-        "notes": notes,
+        **({"head": head} if head_policy is not None else {}),
+        "notes": notes + head_notes,
         "predicted_bytes": estimate.total_bytes(chosen),
         "predicted_step_seconds": estimate.step_seconds(chosen),
         "predicted_recompute_flops": estimate.total_recompute_flops(chosen),

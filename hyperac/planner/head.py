@@ -13,6 +13,14 @@ with the head as it is first, and chunked only where that plan is refused, with 
 fractional budget is of the un-chunked step's no-recompute peak, what the model needs as it is.
 Where the user asked for bitwise results (``Config.bitwise=True``) or ``head="off"``, the head is not
 planned; with ``head="chunked"`` only the chunked head is (the other profiled for the note's share).
+
+Under ``compile=`` the compiled planner (planner/compiled.py) weighs the head the same way, on its
+own cost model: the bytes the compiled step's forward saves for backward (not the chunks the head's
+backward recomputes one at a time, which it frees as it goes), each head profiled in compiled steps
+of its own, so the two heads' seconds are compared across profiles. Plans per length bucket
+(``max_seq_len=``) do not weigh it yet: every length is profiled with the head as ``head=`` installs
+it (``"chunked"``, or as the model computes it), a fractional budget is of that step, and
+``head="auto"`` keeps the head with a note and a warning saying so.
 """
 
 from __future__ import annotations
@@ -36,13 +44,14 @@ __all__ = ["choose_head", "choose_with_head", "fallback_message", "head_auto_mod
 
 
 def choose_with_head(estimates: Mapping[str, Estimate], budget_bytes: int, options: Sequence[str],
-                     host_budget_bytes: int | None = None) -> tuple[str, list[str]]:
+                     host_budget_bytes: int | None = None, bound: str = "peak") -> tuple[str, list[str]]:
     """The head (a key of ``estimates``: ``"off"`` or ``"chunked"``) and per-layer options that fit
-    ``budget_bytes`` fastest; where none fits, the refusal of the last head tried (the lowest floor)."""
+    ``budget_bytes`` (``bound`` as for :func:`choose_modes`) fastest; where none fits, the refusal of the
+    last head tried (the lowest floor)."""
     fits, refusal = [], None
     for head, estimate in estimates.items():
         try:
-            chosen = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget_bytes)
+            chosen = choose_modes(estimate, budget_bytes, options, host_budget_bytes=host_budget_bytes, bound=bound)
         except ConfigError as error:
             refusal = error
             continue
@@ -54,34 +63,41 @@ def choose_with_head(estimates: Mapping[str, Estimate], budget_bytes: int, optio
     return head, chosen
 
 
-def head_note(estimates: Mapping[str, Estimate]) -> str:
-    """The head's share of the step, as the model computes it and chunked (for ``print(plan)``)."""
+def head_note(estimates: Mapping[str, Estimate], bound: str = "peak") -> str:
+    """The head's share of the step, as the model computes it and chunked (for ``print(plan)``):
+    of its peak, or (``bound="kept"``, compiled) of its bytes saved for backward."""
     plain, chunked = estimates["off"], estimates["chunked"]
-    off_plain, off_chunked = (e.peak_bytes(["off"] * len(e.layers)) for e in (plain, chunked))
-    full_plain, full_chunked = (e.peak_bytes(["full"] * len(e.layers)) for e in (plain, chunked))
-    return (f"the head and the loss (NOTE [The head in the plan]): peak with no recompute {off_plain / 2**20:.1f} MiB "
-            f"as the model computes them, {off_chunked / 2**20:.1f} MiB chunked; with every layer full "
-            f"{full_plain / 2**20:.1f} MiB, {full_chunked / 2**20:.1f} MiB chunked; chunking costs "
+    measure = Estimate.peak_bytes if bound == "peak" else Estimate.total_bytes
+    off_plain, off_chunked = (measure(e, ["off"] * len(e.layers)) for e in (plain, chunked))
+    full_plain, full_chunked = (measure(e, ["full"] * len(e.layers)) for e in (plain, chunked))
+    what = "peak" if bound == "peak" else "saved for backward"
+    return (f"the head and the loss (NOTE [The head in the plan]): {what} with no recompute "
+            f"{off_plain / 2**20:.1f} MiB as the model computes them, {off_chunked / 2**20:.1f} MiB chunked; with "
+            f"every layer full {full_plain / 2**20:.1f} MiB, {full_chunked / 2**20:.1f} MiB chunked; chunking costs "
             f"{(chunked.base_flops - plain.base_flops) / 1e9:.3f} GFLOP "
             f"({100 * (chunked.base_flops - plain.base_flops) / max(plain.base_flops, 1):.1f}% of the step).")
 
 
 def choose_head(policy: str, estimate_of: Callable[[str], Estimate], budget: Any, options: Sequence[str],
-                host_budget_bytes: int | None = None) -> tuple[str, dict[str, Estimate], list[str], int]:
+                host_budget_bytes: int | None = None, bound: str = "peak",
+                ) -> tuple[str, dict[str, Estimate], list[str], int]:
     """The head, the estimates profiled (``"off"``, and ``"chunked"`` where it was), the per-layer
     options and the budget in bytes, by ``policy`` (``"chunked"``, ``"weigh"`` or ``"fallback"``:
-    :func:`hyperac.head.head_policy`); ``estimate_of(head)`` profiles the step with that head."""
+    :func:`hyperac.head.head_policy`); ``estimate_of(head)`` profiles the step with that head. ``bound``:
+    what the budget bounds, as for :func:`choose_modes` (``"kept"``: the compiled planner's saved bytes),
+    a fraction of it with no recompute and the head as the model computes it."""
     estimates = {"off": estimate_of("off")}
-    budget_bytes = parse_budget(budget, estimates["off"].peak_bytes(["off"] * len(estimates["off"].layers)))
+    measure = Estimate.peak_bytes if bound == "peak" else Estimate.total_bytes
+    budget_bytes = parse_budget(budget, measure(estimates["off"], ["off"] * len(estimates["off"].layers)))
     if policy == "fallback":
         try:
             return "off", estimates, choose_modes(estimates["off"], budget_bytes, options,
-                                                  host_budget_bytes=host_budget_bytes), budget_bytes
+                                                  host_budget_bytes=host_budget_bytes, bound=bound), budget_bytes
         except ConfigError:
             pass
     estimates["chunked"] = estimate_of("chunked")
     heads = ("off", "chunked") if policy == "weigh" else ("chunked",)
-    head, chosen = choose_with_head({h: estimates[h] for h in heads}, budget_bytes, options, host_budget_bytes)
+    head, chosen = choose_with_head({h: estimates[h] for h in heads}, budget_bytes, options, host_budget_bytes, bound)
     if policy == "fallback":
         warnings.warn(fallback_message(budget_bytes), HyperACWarning, stacklevel=4)  # apply's caller
     return head, estimates, chosen, budget_bytes
