@@ -1,0 +1,122 @@
+"""The region's hook pair does checkpoint's own hooks' work (NOTE [Checkpoint's hooks in the region's pair]
+in replay/region_saves.py): exact, checked, and with checkpoint's hooks as they are where the probe fails."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from program_fuzzer import differences, train
+from test_replay_divergence import D, Rereading, Stack, _input
+from torch import nn
+from torch.utils import checkpoint as torch_recompute
+
+import hyperac
+from hyperac.replay import region_saves
+
+_CHECKPOINT_PACKS = {"pack_hook", "unpack_hook"}
+
+
+def _checkpoint_hook_calls(step) -> int:
+    """How many times ``step()`` enters checkpoint's own pack or unpack hooks (torch/utils/checkpoint.py)."""
+    calls = [0]
+    source = torch_recompute.__file__
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in _CHECKPOINT_PACKS and frame.f_code.co_filename == source:
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return Stack([Rereading(1), Rereading(1)])
+
+
+def _step(model: nn.Module) -> None:
+    model.zero_grad(set_to_none=True)
+    _input(model).backward()
+
+
+def test_after_its_first_forward_a_full_region_goes_through_checkpoints_hooks_only_to_replay():
+    """Each saved tensor is held, filed and handed out by the region's pair: checkpoint's hooks run for the
+    first read of each region in a backward (which replays), not per saved tensor."""
+    model = _model()
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    first = _checkpoint_hook_calls(lambda: _step(model))  # the freed-saves watch: checkpoint's pack below it
+    later = _checkpoint_hook_calls(lambda: _step(model))
+    assert later == 2  # one unpack per region: the read that replays it
+    assert first > 4 * later
+
+
+def _exact(backward: str = "plain") -> None:
+    """Three SGD steps (the last two through the pair doing checkpoint's work) equal the un-applied ones."""
+    reference = _model()
+    model = copy.deepcopy(reference)
+    expected = train(reference, backward, _input, steps=3)
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    assert differences(expected, train(model, backward, _input, steps=3)) == []
+
+
+@pytest.mark.parametrize("backward", ["plain", "retain_graph", "create_graph"])
+def test_the_pair_that_does_checkpoints_work_is_exact_over_steps_and_second_backwards(backward):
+    _exact(backward)
+
+
+_FLAG = [True]
+
+
+class Flagged(nn.Module):
+    """Takes the other side of an ``if`` when a global flag changes between its forward and its replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        return torch.relu(x) if _FLAG[0] else torch.sigmoid(x)
+
+
+def test_a_replay_that_diverges_after_the_first_step_is_caught():
+    """The fingerprint still compares every saved tensor where checkpoint's own check is off."""
+    model = Stack([Flagged(), Flagged()])
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    _step(model)
+    loss = _input(model)
+    _FLAG[0] = False
+    try:
+        with pytest.raises(hyperac.RecomputeMismatchError, match=r"layer 'layers\.1' diverged from its forward"):
+            loss.backward()
+    finally:
+        _FLAG[0] = True
+
+
+def test_without_early_stop_the_pair_is_exact():
+    with torch_recompute.set_checkpoint_early_stop(False):
+        _exact()
+
+
+@pytest.fixture
+def probe_fails(monkeypatch):
+    monkeypatch.setattr(region_saves, "_CODES", None)
+    yield region_saves.probe_checkpoint_hooks(again=True)
+    monkeypatch.undo()
+    assert region_saves.probe_checkpoint_hooks(again=True) is None
+
+
+def test_where_the_probe_fails_regions_call_checkpoints_hooks_as_before(probe_fails):
+    assert probe_fails == "torch.utils.checkpoint's hooks are not built as hyperac expects"
+    model = _model()
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    _step(model)
+    assert _checkpoint_hook_calls(lambda: _step(model)) > 8
+    _exact()
