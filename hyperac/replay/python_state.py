@@ -325,6 +325,72 @@ def _same_dict(state: dict[str, Any], values: dict[str, Any]) -> bool:
             and all(map(operator.is_, state, values)))
 
 
+# NOTE [Dict versions]
+# Most of a snapshot's cost is comparing each module's ``__dict__`` with the copy the forward saw, entry
+# by entry, at the start and at the end of every replay, though almost always nothing changed. CPython
+# gives every dict a version (PEP 509, ``ma_version_tag``) that moves whenever the dict is written (a
+# value set to another object, a key added or deleted, a clear) and never otherwise; it is in the dict
+# object at a fixed place, not in Python's API. So where a probe finds it (:func:`_version_offset`: a
+# dict, a plain object's and a module's ``__dict__`` written in each way, and left alone while other
+# dicts are written), each module entry notes its ``__dict__``'s version as it copies it, and a later
+# comparison whose version is unchanged (and whose ``__dict__`` is still that dict) holds without looking
+# at the entries; a moved version is compared entry by entry as before, so a write that sets an attribute
+# back to the object it held reads as unchanged, as it does without versions. Where a Python build has no
+# such version (3.14 keeps only watcher bits there), the probe fails and every comparison is entry by
+# entry.
+
+
+def _version_offset() -> int | None:
+    """Where a dict keeps its version (NOTE [Dict versions]), checked on probes, or None."""
+    if sys.implementation.name != "cpython":
+        return None
+
+    class Plain:
+        pass
+
+    for offset in range(2 * ctypes.sizeof(ctypes.c_void_p), 6 * ctypes.sizeof(ctypes.c_void_p), 8):
+        try:
+            if _versions_move(offset, Plain):
+                return offset
+        except (ValueError, OverflowError):
+            continue
+    return None
+
+
+def _versions_move(offset: int, plain: type) -> bool:
+    """Whether the word at ``offset`` in dicts moves on each kind of write and holds still otherwise."""
+    module, thing, table = nn.Linear(1, 1), plain(), {"a": 1}
+    thing.value = 1
+    for state, write, unset in ((table, table.__setitem__, table.__delitem__),
+                                (vars(thing), functools.partial(setattr, thing), functools.partial(delattr, thing)),
+                                (vars(module), functools.partial(setattr, module), functools.partial(delattr, module))):
+        view = ctypes.c_uint64.from_address(id(state) + offset)
+        seen = [view.value]
+        other = {"b": 2}
+        other["c"] = 3  # another dict written: this one's word holds still
+        seen.append(view.value)
+        write("x", object())
+        seen.append(view.value)
+        value = object()
+        write("x", value)
+        seen.append(view.value)
+        write("x", value)  # the same object again: no change
+        seen.append(view.value)
+        unset("x")
+        seen.append(view.value)
+        if not (seen[0] == seen[1] and len({seen[1], seen[2], seen[3], seen[5]}) == 4 and seen[3] == seen[4]):
+            return False
+    return True
+
+
+_VERSION_AT = _version_offset()
+
+
+def _stamp(state: dict[str, Any]) -> Any:
+    """What reads ``state``'s version (NOTE [Dict versions]), or None without versions."""
+    return None if _VERSION_AT is None else ctypes.c_uint64.from_address(id(state) + _VERSION_AT)
+
+
 _requires_grad = operator.attrgetter("requires_grad")
 _is_set = functools.partial(operator.is_not, None)
 
@@ -337,35 +403,43 @@ class _Module(_Attributes):
     (torch's and hyperac's own are left as they are): a hook the forward removed (a one-shot calibration
     hook) or registered (lazily, on its first call), or one removed between forward and backward, is as it
     was for the replay. One put back goes after the hooks its table holds. ``values`` is ``(attributes,
-    flags, hooks)``."""
+    flags, hooks, version)``: ``version``, the ``__dict__``'s version as it was copied (NOTE [Dict versions]),
+    or None."""
 
-    __slots__ = ("parameters",)
+    __slots__ = ("live", "parameters", "stamp")
 
     def __init__(self, module: nn.Module) -> None:
         self.parameters = tuple(filter(_is_set, module._parameters.values()))
         self.target = module
+        self.live = module.__dict__
+        self.stamp = _stamp(self.live)
         self.values = self.now()
 
-    def now(self) -> tuple[dict[str, Any], tuple[bool, ...], tuple[tuple[str, int, Any, tuple[bool, ...]], ...]]:
+    def now(self) -> tuple[dict[str, Any], tuple[bool, ...], tuple[tuple[str, int, Any, tuple[bool, ...]], ...],
+                           int | None]:
         module = self.target
-        return (module.__dict__.copy(), tuple(map(_requires_grad, self.parameters)),
-                self._hooks() if module._forward_pre_hooks or module._forward_hooks else ())
+        state = module.__dict__
+        version = None if self.stamp is None or state is not self.live else self.stamp.value
+        return (state.copy(), tuple(map(_requires_grad, self.parameters)),
+                self._hooks() if module._forward_pre_hooks or module._forward_hooks else (), version)
 
-    def holds(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple]) -> bool:
-        attributes, flags, hooks = values
+    def holds(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple, int | None]) -> bool:
+        attributes, flags, hooks, version = values
         module = self.target
         state = module.__dict__  # _same_dict, inlined: one Python call per module and put-back
-        return (len(state) == len(attributes) and all(map(operator.is_, state.values(), attributes.values()))
-                and all(map(operator.is_, state, attributes)) and tuple(map(_requires_grad, self.parameters)) == flags
-                and ((not hooks and not (module._forward_pre_hooks or module._forward_hooks))
-                     or _same(self._hooks(), hooks)))
+        return ((version is not None and state is self.live and self.stamp.value == version)  # type: ignore[union-attr]
+                or (len(state) == len(attributes) and all(map(operator.is_, state.values(), attributes.values()))
+                    and all(map(operator.is_, state, attributes)))) and (
+            tuple(map(_requires_grad, self.parameters)) == flags
+            and ((not hooks and not (module._forward_pre_hooks or module._forward_hooks))
+                 or _same(self._hooks(), hooks)))
 
     def own(self) -> list[Any]:
         return [value for name, value in self.values[0].items()
                 if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
 
-    def put(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple]) -> None:
-        attributes, flags, hooks = values
+    def put(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple, int | None]) -> None:
+        attributes, flags, hooks, _ = values
         super().put(attributes)
         for parameter, flag in zip(self.parameters, flags):
             if parameter.requires_grad is not flag:
@@ -427,9 +501,17 @@ class _Cell(_Entry):
 
 class _Contents(_Entry):
     """What a list, dict, set, deque or plain object holds (``values`` is ``_MISSING`` for a value that
-    holds nothing hyperac restores)."""
+    holds nothing hyperac restores). Of a dict or ``__dict__``, the version as ``values`` was copied is
+    noted too (NOTE [Dict versions])."""
 
-    __slots__ = ()
+    __slots__ = ("live", "stamp", "version")
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        live = target if isinstance(target, dict) else _state_of(target)
+        self.live, self.stamp = live, None if live is None else _stamp(live)
+        self.version = None if self.stamp is None else self.stamp.value
+        self.values = self.now()
 
     def now(self) -> Any:
         return _contents(self.target)
@@ -439,6 +521,9 @@ class _Contents(_Entry):
         target = self.target
         if type(contents) is dict:
             live = target if isinstance(target, dict) else _state_of(target)
+            if (contents is self.values and live is self.live and self.version is not None
+                    and self.stamp.value == self.version):  # type: ignore[union-attr]
+                return True
             if live is not None:
                 return _same_dict(live, contents)
         elif type(contents) in (list, collections.deque):
