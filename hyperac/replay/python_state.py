@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import itertools
 import operator
 import pickle
 import random
@@ -68,7 +69,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PythonState"]
+__all__ = ["PythonState", "module_tree"]
 
 _MODULE_BOOKKEEPING = (frozenset(nn.Module().__dict__) - {"training"}) | {"forward"}
 """Keys of a module's ``__dict__`` that are nn.Module's own (parameters, buffers, children, hooks) or
@@ -304,8 +305,7 @@ class _Attributes(_Entry):
     def own(self) -> list[Any]:
         """The values of the attributes the snapshot restores that may hold Python state (numbers and
         strings left out: they hold nothing to look into)."""
-        return [value for name, value in self.values.items()
-                if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
+        return _own(self.values)
 
     def put(self, values: dict[str, Any]) -> None:
         """Set the attributes to ``values``, but for a name the forward has since made a sub-module,
@@ -317,6 +317,36 @@ class _Attributes(_Entry):
         registered = state["_modules"].keys() | state["_parameters"].keys() | state["_buffers"].keys()
         state.update((name, value) for name, value in values.items()
                      if name not in registered and name not in _MODULE_BOOKKEEPING)
+
+
+_LEADING = tuple(nn.Module().__dict__)
+"""The keys nn.Module's ``__init__`` sets, in its order: the start of almost every module's ``__dict__``."""
+
+
+def _own(attributes: dict[str, Any]) -> list[Any]:
+    """The values of ``attributes`` (a module's ``__dict__``) that the snapshot restores and that may hold
+    Python state (numbers and strings left out: they hold nothing to look into), in their order. Where the
+    ``__dict__`` starts with nn.Module's own keys (:data:`_LEADING`, of which only ``training`` is
+    restored), only the keys after them are looked at."""
+    if type(attributes.get("training")) in _ATOMS and tuple(itertools.islice(attributes, len(_LEADING))) == _LEADING:
+        items: Iterable[tuple[str, Any]] = itertools.islice(attributes.items(), len(_LEADING), None)
+    else:
+        items = attributes.items()
+    return [value for name, value in items if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
+
+
+def module_tree(module: nn.Module) -> list[nn.Module]:
+    """``list(module.modules())`` (the module, then its sub-modules, depth first, each once) in one Python call:
+    read at every snapshot."""
+    tree, seen, stack = [], set(), [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        tree.append(current)
+        stack.extend(child for child in reversed(current._modules.values()) if child is not None)
+    return tree
 
 
 def _same_dict(state: dict[str, Any], values: dict[str, Any]) -> bool:
@@ -435,8 +465,7 @@ class _Module(_Attributes):
                  or _same(self._hooks(), hooks)))
 
     def own(self) -> list[Any]:
-        return [value for name, value in self.values[0].items()
-                if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
+        return _own(self.values[0])
 
     def put(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple, int | None]) -> None:
         attributes, flags, hooks, _ = values
@@ -771,7 +800,7 @@ class PythonState:
             self._add_contents(generator)
         self.borrowed: list[nn.Module] = []
         for candidate in found:
-            for module in candidate.modules():
+            for module in module_tree(candidate):
                 if id(module) not in self.seen:
                     self.seen.add(id(module))
                     self.borrowed.append(module)
