@@ -182,7 +182,7 @@ class RecomputeContext:
             forward_ctx, replay_ctx = selective_contexts(self.ops, group, self.mode, self.layer, self.index)
         elif self.mode == "full" and not self.compile:
             forward_ctx, replay_ctx = full_replay_contexts(self.layer, self.index, self.has_exclusions)
-            if self.routes_seen.routes is not False:  # a layer that routed nothing pays nothing (NOTE [Routing is kept])
+            if self.routes_seen.routes is not False:  # NOTE [Routing is kept]: a layer that routed nothing pays nothing
                 routing = routes_in_full(self.routes_seen, self._ops or _routing_only(), self.layer, self.index)
                 if routing is not None:
                     forward_ctx, replay_ctx = _Both(forward_ctx, routing[0]), _Both(replay_ctx, routing[1])
