@@ -35,7 +35,8 @@ saw (no copies) until the region's backward is done. A container that holds para
 bookkeeping, left as it is (NOTE [Parameter bookkeeping is the stack's]). Its cost is per entry, in every
 layer invocation: each module the region runs is one entry (attributes, ``requires_grad`` flags, hook
 tables), and a put-back compares each entry with the live state without copying it, one Python call per entry
-where nothing changed (benchmarks/host_overhead.py).
+where nothing changed, and without looking at a ``__dict__``'s entries where its version has not moved (NOTE
+[Dict versions]; benchmarks/host_overhead.py).
 
 Not reached: module-level globals (a hook appending to a global list), class attributes
 (``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak

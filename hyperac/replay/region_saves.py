@@ -247,7 +247,8 @@ def probe_checkpoint_hooks(again: bool = False) -> str | None:
         return None
     _inline = _CODES is not None
     try:
-        with torch.device("cpu"), torch.enable_grad(), _disable_current_modes(), torch.autocast("cpu", enabled=False):
+        with (torch.device("cpu"), torch.inference_mode(False), torch.enable_grad(), _disable_current_modes(),
+              torch.autocast("cpu", enabled=False)):
             problem = "torch.utils.checkpoint's hooks are not built as hyperac expects" if _CODES is None else _probe()
     except Exception as error:  # any failure of the internals' contract: checkpoint's hooks are used instead
         problem = f"running a region through it raised {type(error).__name__}: {error}"
