@@ -28,9 +28,11 @@ each saved-tensor hook layer (torch's checkpoint's own for reference: its unpack
 its time includes the replay's ops), the selective recording and
 replay modes (their time over torch's selective caching modes in ``titan-sel``, which run the same
 ops), and what the region builds per invocation. The timers add about half a microsecond per call.
+``--calls`` counts Python function calls per layer per step instead (``sys.setprofile``, one step after two
+warm ones, not timed): deterministic, so it shows a change where a loaded machine's timings cannot.
 
     OMP_NUM_THREADS=1 python benchmarks/host_overhead.py [--rounds 40] [--geometry host|compute|both]
-        [--breakdown] [--clock thread|wall]
+        [--breakdown] [--calls] [--clock thread|wall]
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ class Timers:
 
 _HOOK_LABELS = (
     ("torch.utils.checkpoint", "hook: torch checkpoint's own (reference)"),
-    ("hyperac.replay.region_saves", "hook: the region's pair (fingerprint, fake filter, re-read)"),
+    ("hyperac.replay.region_saves", "hook: the region's pair (+ checkpoint's work in full)"),
     ("hyperac.replay.replay_check", "hook: replay fingerprint"),
     ("hyperac.replay.freed_saves", "hook: freed-saves watch"),
     ("hyperac.higher_order", "hook: fake-tensor filter"),
@@ -270,12 +272,34 @@ def breakdown(models: dict[str, nn.Module], ids: torch.Tensor, steps: int, clock
         print(f"  {label:48s}" + "".join(f"{per_layer[name][label]:15.1f}" for name in names))
 
 
+def calls(models: dict[str, nn.Module], ids: torch.Tensor) -> None:
+    """Python function calls per layer per step of each configuration (``sys.setprofile``)."""
+    print("Python calls per layer per step (one step after two warm ones)")
+    count = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            count[0] += 1
+
+    for name, model in models.items():
+        for _ in range(2):
+            step(model, ids, time.perf_counter_ns)
+        count[0] = 0
+        sys.setprofile(profile)
+        try:
+            step(model, ids, time.perf_counter_ns)
+        finally:
+            sys.setprofile(None)
+        print(f"  {name:16s} {count[0] / LAYERS:8.0f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--geometry", choices=("host", "compute", "both"), default="both")
     parser.add_argument("--breakdown", action="store_true", help="also time each mechanism per layer invocation")
     parser.add_argument("--breakdown-steps", type=int, default=20)
+    parser.add_argument("--calls", action="store_true", help="also count Python calls per layer per step")
     parser.add_argument("--clock", choices=("thread", "wall"), default="thread")
     a = parser.parse_args()
     torch.set_num_threads(1)
@@ -292,6 +316,8 @@ def main() -> int:
             passed = check(medians)
             if a.breakdown:
                 breakdown(models, ids, a.breakdown_steps, clock)
+            if a.calls:
+                calls(models, ids)
     return 0 if passed else 1
 
 

@@ -144,11 +144,17 @@ def require(*features: str) -> None:
 def require_for(modes: list[str], swaps: list[bool], config: Config) -> None:
     """:func:`require` what a plan needs: ``selective`` for eager selective layers,
     ``swap_selective_outputs`` where their outputs swap, ``compiled_regions`` for recomputed layers under
-    ``compile=True``. Eager ``full`` and ``swap`` layers use public torch only."""
+    ``compile=True``. Eager ``full`` and ``swap`` layers need none; eager regions probe, once, whether their
+    hook pair can do checkpoint's hooks' work (NOTE [Checkpoint's hooks in the region's pair] in
+    replay/region_saves.py), and call checkpoint's hooks where not."""
     selective = [swap for mode, swap in zip(modes, swaps) if mode in SELECTIVE_MODES and not config.compile]
     swapped = config.swap_selective_outputs and any(selective)
     compiled = bool(config.compile) and any(mode in RECOMPUTE_MODES for mode in modes)
     require(*["selective"] * bool(selective), *["swap_selective_outputs"] * swapped, *["compiled_regions"] * compiled)
+    if not config.compile:  # NOTE [Checkpoint's hooks in the region's pair] in replay/region_saves.py
+        from .replay.region_saves import probe_checkpoint_hooks
+
+        probe_checkpoint_hooks()
 
 
 # NOTE [A torch newer than the tested range]
@@ -456,6 +462,12 @@ def _probe_checkpoint_frame() -> str | None:
     return None
 
 
+def _probe_checkpoint_hooks() -> str | None:
+    from .replay.region_saves import probe_checkpoint_hooks
+
+    return probe_checkpoint_hooks(again=True)
+
+
 def _probe_local_scalar_dense_on_meta() -> str | None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -505,6 +517,10 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
     "torch.utils.checkpoint: the frame in the unpack hook's closure, _CheckpointFrame's per-backward state, "
     "_Holder.handles, GraphExecGroup": (
         "reread.py (a saved tensor read twice in one backward)", _probe_checkpoint_frame),
+    "torch.utils.checkpoint: its forward pack, unpack and replay pack (code, closures), _CheckpointFrame's "
+    "weak_holders, recomp_counter, recomputed, is_recomputed, early_stop, ignore_saved_mismatch; _Holder, _Handle, "
+    "_StopRecomputationError": (
+        "region_saves.py (checkpoint's hooks' work done in the region's pair)", _probe_checkpoint_hooks),
     "aten::_local_scalar_dense on meta (answered by a dispatch mode)": (
         "planner/profile.py (.item() of a meta model's tensors)", _probe_local_scalar_dense_on_meta),
 }

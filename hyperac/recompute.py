@@ -57,11 +57,12 @@ from .policy import (
     compile_context_fn,
     forced_recompute,
     resolve_op_sets,
+    routing_ops,
     selective_contexts,
 )
 from .replay.buffers import BufferSnapshots, buffers_as_before
 from .replay.freed_saves import FreedSaves
-from .replay.python_state import PythonState
+from .replay.python_state import PythonState, module_tree
 from .replay.random_sources import TrackerReplay, rng_states, set_rng_states
 from .replay.region_saves import RegionSaves
 from .replay.replay_check import full_replay_contexts
@@ -181,15 +182,24 @@ class RecomputeContext:
             forward_ctx, replay_ctx = selective_contexts(self.ops, group, self.mode, self.layer, self.index)
         elif self.mode == "full" and not self.compile:
             forward_ctx, replay_ctx = full_replay_contexts(self.layer, self.index, self.has_exclusions)
-            routing = routes_in_full(self.routes_seen, self.ops, self.layer, self.index)
-            if routing is not None:
-                forward_ctx, replay_ctx = _Both(forward_ctx, routing[0]), _Both(replay_ctx, routing[1])
+            if self.routes_seen.routes is not False:  # NOTE [Routing is kept]: a layer that routed nothing pays nothing
+                routing = routes_in_full(self.routes_seen, self._ops or _routing_only(), self.layer, self.index)
+                if routing is not None:
+                    forward_ctx, replay_ctx = _Both(forward_ctx, routing[0]), _Both(replay_ctx, routing[1])
         else:
             forward_ctx, replay_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         if not self.has_exclusions:
             return forward_ctx, replay_ctx
         frame = _RegionFrame()
         return _Both(_FrameScope(frame, False), forward_ctx), _Both(_FrameScope(frame, True), replay_ctx)
+
+
+@functools.cache
+def _routing_only() -> OpSets:
+    """The op sets a ``full`` region reads: the routing ops only (NOTE [Routing is kept] in replay/routing.py),
+    resolved once per process (aten's overloads), not per layer as a selective region's full sets are."""
+    empty: frozenset = frozenset()
+    return OpSets(matmul=empty, keep=empty, routing=routing_ops(), ignored=empty)
 
 
 def build_context_fn(
@@ -364,7 +374,7 @@ class _Region:
         self.watched, self.given = True, args
         module = self.override.module_and_forward()[0]
         plain_kwargs = {name: value for name, value in self.kwargs.items() if name not in CACHE_KWARGS}
-        state = PythonState(module.modules(), args, plain_kwargs)
+        state = PythonState(module_tree(module), args, plain_kwargs)
         buffers = buffers_as_before(state.borrowed, self.override.fqn, self.override.index) if state.borrowed else None
         self.as_in_forward = [state, ForwardContext(), *([] if buffers is None else [buffers])]
         keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]

@@ -15,7 +15,8 @@ mechanism). Where each guarantee and its cost are written down:
 * buffers.py         NOTE [Buffers in the replay], NOTE [Non-persistent buffers are held, not copied]: buffer
                      updates happen once, the replay reads the buffers its forward read.
 * region_saves.py    NOTE [One hook pair per region]: one saved-tensor hook pair per region invocation, in one
-                     Python call per tensor, for the next three.
+                     Python call per tensor, for the next three; NOTE [Checkpoint's hooks in the region's pair]:
+                     ``full``'s pair also does torch's checkpoint hooks' work (probed at apply).
 * replay_check.py    NOTE [Every replay is checked], NOTE [Autocast casts served from the cache]: ``full``'s
                      replay fingerprinted against its forward.
 * reread.py          NOTE [A saved tensor read twice in one backward].

@@ -35,7 +35,8 @@ saw (no copies) until the region's backward is done. A container that holds para
 bookkeeping, left as it is (NOTE [Parameter bookkeeping is the stack's]). Its cost is per entry, in every
 layer invocation: each module the region runs is one entry (attributes, ``requires_grad`` flags, hook
 tables), and a put-back compares each entry with the live state without copying it, one Python call per entry
-where nothing changed (benchmarks/host_overhead.py).
+where nothing changed, and without looking at a ``__dict__``'s entries where its version has not moved (NOTE
+[Dict versions]; benchmarks/host_overhead.py).
 
 Not reached: module-level globals (a hook appending to a global list), class attributes
 (``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak
@@ -54,6 +55,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import itertools
 import operator
 import pickle
 import random
@@ -68,7 +70,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PythonState"]
+__all__ = ["PythonState", "module_tree"]
 
 _MODULE_BOOKKEEPING = (frozenset(nn.Module().__dict__) - {"training"}) | {"forward"}
 """Keys of a module's ``__dict__`` that are nn.Module's own (parameters, buffers, children, hooks) or
@@ -304,8 +306,7 @@ class _Attributes(_Entry):
     def own(self) -> list[Any]:
         """The values of the attributes the snapshot restores that may hold Python state (numbers and
         strings left out: they hold nothing to look into)."""
-        return [value for name, value in self.values.items()
-                if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
+        return _own(self.values)
 
     def put(self, values: dict[str, Any]) -> None:
         """Set the attributes to ``values``, but for a name the forward has since made a sub-module,
@@ -319,10 +320,106 @@ class _Attributes(_Entry):
                      if name not in registered and name not in _MODULE_BOOKKEEPING)
 
 
+_LEADING = tuple(nn.Module().__dict__)
+"""The keys nn.Module's ``__init__`` sets, in its order: the start of almost every module's ``__dict__``."""
+
+
+def _own(attributes: dict[str, Any]) -> list[Any]:
+    """The values of ``attributes`` (a module's ``__dict__``) that the snapshot restores and that may hold
+    Python state (numbers and strings left out: they hold nothing to look into), in their order. Where the
+    ``__dict__`` starts with nn.Module's own keys (:data:`_LEADING`, of which only ``training`` is
+    restored), only the keys after them are looked at."""
+    if type(attributes.get("training")) in _ATOMS and tuple(itertools.islice(attributes, len(_LEADING))) == _LEADING:
+        items: Iterable[tuple[str, Any]] = itertools.islice(attributes.items(), len(_LEADING), None)
+    else:
+        items = attributes.items()
+    return [value for name, value in items if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
+
+
+def module_tree(module: nn.Module) -> list[nn.Module]:
+    """``list(module.modules())`` (the module, then its sub-modules, depth first, each once) in one Python call:
+    read at every snapshot."""
+    tree, seen, stack = [], set(), [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        tree.append(current)
+        stack.extend(child for child in reversed(current._modules.values()) if child is not None)
+    return tree
+
+
 def _same_dict(state: dict[str, Any], values: dict[str, Any]) -> bool:
     """Whether ``state`` holds the keys and values of ``values``, in the same order, by identity."""
     return (len(state) == len(values) and all(map(operator.is_, state.values(), values.values()))
             and all(map(operator.is_, state, values)))
+
+
+# NOTE [Dict versions]
+# Most of a snapshot's cost is comparing each module's ``__dict__`` with the copy the forward saw, entry
+# by entry, at the start and at the end of every replay, though almost always nothing changed. CPython
+# gives every dict a version (PEP 509, ``ma_version_tag``) that moves whenever the dict is written (a
+# value set to another object, a key added or deleted, a clear) and never otherwise; it is in the dict
+# object at a fixed place, not in Python's API. So where a probe finds it (:func:`_version_offset`: a
+# dict, a plain object's and a module's ``__dict__`` written in each way, and left alone while other
+# dicts are written), each module entry notes its ``__dict__``'s version as it copies it, and a later
+# comparison whose version is unchanged (and whose ``__dict__`` is still that dict) holds without looking
+# at the entries; a moved version is compared entry by entry as before, so a write that sets an attribute
+# back to the object it held reads as unchanged, as it does without versions. Where a Python build has no
+# such version (3.14 keeps only watcher bits there), the probe fails and every comparison is entry by
+# entry.
+
+
+def _version_offset() -> int | None:
+    """Where a dict keeps its version (NOTE [Dict versions]), checked on probes, or None."""
+    if sys.implementation.name != "cpython":
+        return None
+
+    class Plain:
+        pass
+
+    for offset in range(2 * ctypes.sizeof(ctypes.c_void_p), 6 * ctypes.sizeof(ctypes.c_void_p), 8):
+        try:
+            if _versions_move(offset, Plain):
+                return offset
+        except (ValueError, OverflowError):
+            continue
+    return None
+
+
+def _versions_move(offset: int, plain: type) -> bool:
+    """Whether the word at ``offset`` in dicts moves on each kind of write and holds still otherwise."""
+    module, thing, table = nn.Linear(1, 1), plain(), {"a": 1}
+    thing.value = 1
+    for state, write, unset in ((table, table.__setitem__, table.__delitem__),
+                                (vars(thing), functools.partial(setattr, thing), functools.partial(delattr, thing)),
+                                (vars(module), functools.partial(setattr, module), functools.partial(delattr, module))):
+        view = ctypes.c_uint64.from_address(id(state) + offset)
+        seen = [view.value]
+        other = {"b": 2}
+        other["c"] = 3  # another dict written: this one's word holds still
+        seen.append(view.value)
+        write("x", object())
+        seen.append(view.value)
+        value = object()
+        write("x", value)
+        seen.append(view.value)
+        write("x", value)  # the same object again: no change
+        seen.append(view.value)
+        unset("x")
+        seen.append(view.value)
+        if not (seen[0] == seen[1] and len({seen[1], seen[2], seen[3], seen[5]}) == 4 and seen[3] == seen[4]):
+            return False
+    return True
+
+
+_VERSION_AT = _version_offset()
+
+
+def _stamp(state: dict[str, Any]) -> Any:
+    """What reads ``state``'s version (NOTE [Dict versions]), or None without versions."""
+    return None if _VERSION_AT is None else ctypes.c_uint64.from_address(id(state) + _VERSION_AT)
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -337,35 +434,42 @@ class _Module(_Attributes):
     (torch's and hyperac's own are left as they are): a hook the forward removed (a one-shot calibration
     hook) or registered (lazily, on its first call), or one removed between forward and backward, is as it
     was for the replay. One put back goes after the hooks its table holds. ``values`` is ``(attributes,
-    flags, hooks)``."""
+    flags, hooks, version)``: ``version``, the ``__dict__``'s version as it was copied (NOTE [Dict versions]),
+    or None."""
 
-    __slots__ = ("parameters",)
+    __slots__ = ("live", "parameters", "stamp")
 
     def __init__(self, module: nn.Module) -> None:
         self.parameters = tuple(filter(_is_set, module._parameters.values()))
         self.target = module
+        self.live = module.__dict__
+        self.stamp = _stamp(self.live)
         self.values = self.now()
 
-    def now(self) -> tuple[dict[str, Any], tuple[bool, ...], tuple[tuple[str, int, Any, tuple[bool, ...]], ...]]:
+    def now(self) -> tuple[dict[str, Any], tuple[bool, ...], tuple[tuple[str, int, Any, tuple[bool, ...]], ...],
+                           int | None]:
         module = self.target
-        return (module.__dict__.copy(), tuple(map(_requires_grad, self.parameters)),
-                self._hooks() if module._forward_pre_hooks or module._forward_hooks else ())
+        state = module.__dict__
+        version = None if self.stamp is None or state is not self.live else self.stamp.value
+        return (state.copy(), tuple(map(_requires_grad, self.parameters)),
+                self._hooks() if module._forward_pre_hooks or module._forward_hooks else (), version)
 
-    def holds(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple]) -> bool:
-        attributes, flags, hooks = values
+    def holds(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple, int | None]) -> bool:
+        attributes, flags, hooks, version = values
         module = self.target
         state = module.__dict__  # _same_dict, inlined: one Python call per module and put-back
-        return (len(state) == len(attributes) and all(map(operator.is_, state.values(), attributes.values()))
-                and all(map(operator.is_, state, attributes)) and tuple(map(_requires_grad, self.parameters)) == flags
-                and ((not hooks and not (module._forward_pre_hooks or module._forward_hooks))
-                     or _same(self._hooks(), hooks)))
+        return ((version is not None and state is self.live and self.stamp.value == version)  # type: ignore[union-attr]
+                or (len(state) == len(attributes) and all(map(operator.is_, state.values(), attributes.values()))
+                    and all(map(operator.is_, state, attributes)))) and (
+            tuple(map(_requires_grad, self.parameters)) == flags
+            and ((not hooks and not (module._forward_pre_hooks or module._forward_hooks))
+                 or _same(self._hooks(), hooks)))
 
     def own(self) -> list[Any]:
-        return [value for name, value in self.values[0].items()
-                if type(value) not in _ATOMS and name not in _MODULE_BOOKKEEPING]
+        return _own(self.values[0])
 
-    def put(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple]) -> None:
-        attributes, flags, hooks = values
+    def put(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple, int | None]) -> None:
+        attributes, flags, hooks, _ = values
         super().put(attributes)
         for parameter, flag in zip(self.parameters, flags):
             if parameter.requires_grad is not flag:
@@ -427,9 +531,17 @@ class _Cell(_Entry):
 
 class _Contents(_Entry):
     """What a list, dict, set, deque or plain object holds (``values`` is ``_MISSING`` for a value that
-    holds nothing hyperac restores)."""
+    holds nothing hyperac restores). Of a dict or ``__dict__``, the version as ``values`` was copied is
+    noted too (NOTE [Dict versions])."""
 
-    __slots__ = ()
+    __slots__ = ("live", "stamp", "version")
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        live = target if isinstance(target, dict) else _state_of(target)
+        self.live, self.stamp = live, None if live is None else _stamp(live)
+        self.version = None if self.stamp is None else self.stamp.value
+        self.values = self.now()
 
     def now(self) -> Any:
         return _contents(self.target)
@@ -439,6 +551,9 @@ class _Contents(_Entry):
         target = self.target
         if type(contents) is dict:
             live = target if isinstance(target, dict) else _state_of(target)
+            if (contents is self.values and live is self.live and self.version is not None
+                    and self.stamp.value == self.version):  # type: ignore[union-attr]
+                return True
             if live is not None:
                 return _same_dict(live, contents)
         elif type(contents) in (list, collections.deque):
@@ -686,7 +801,7 @@ class PythonState:
             self._add_contents(generator)
         self.borrowed: list[nn.Module] = []
         for candidate in found:
-            for module in candidate.modules():
+            for module in module_tree(candidate):
                 if id(module) not in self.seen:
                     self.seen.add(id(module))
                     self.borrowed.append(module)

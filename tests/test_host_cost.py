@@ -1,0 +1,218 @@
+"""What keeps a recomputed region's host cost down stays exact (issue 33): the region's hook pair doing
+checkpoint's own hooks' work (NOTE [Checkpoint's hooks in the region's pair] in replay/region_saves.py), the
+snapshot's comparisons by dict version (NOTE [Dict versions] in replay/python_state.py), and ``full`` layers
+reading only the routing ops. Each with its fallback where a probe fails."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from program_fuzzer import differences, train
+from test_replay_divergence import D, Rereading, Stack, _input
+from torch import nn
+from torch.utils import checkpoint as torch_recompute
+
+import hyperac
+import hyperac.recompute
+from hyperac.replay import python_state, region_saves
+
+_CHECKPOINT_PACKS = {"pack_hook", "unpack_hook"}
+
+
+def _checkpoint_hook_calls(step) -> int:
+    """How many times ``step()`` enters checkpoint's own pack or unpack hooks (torch/utils/checkpoint.py)."""
+    calls = [0]
+    source = torch_recompute.__file__
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in _CHECKPOINT_PACKS and frame.f_code.co_filename == source:
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return Stack([Rereading(1), Rereading(1)])
+
+
+def _step(model: nn.Module) -> None:
+    model.zero_grad(set_to_none=True)
+    _input(model).backward()
+
+
+def test_after_its_first_forward_a_full_region_goes_through_checkpoints_hooks_only_to_replay():
+    """Each saved tensor is held, filed and handed out by the region's pair: checkpoint's hooks run for the
+    first read of each region in a backward (which replays), not per saved tensor."""
+    model = _model()
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    first = _checkpoint_hook_calls(lambda: _step(model))  # the freed-saves watch: checkpoint's pack below it
+    later = _checkpoint_hook_calls(lambda: _step(model))
+    assert later == 2  # one unpack per region: the read that replays it
+    assert first > 4 * later
+
+
+def _exact(backward: str = "plain") -> None:
+    """Three SGD steps (the last two through the pair doing checkpoint's work) equal the un-applied ones."""
+    reference = _model()
+    model = copy.deepcopy(reference)
+    expected = train(reference, backward, _input, steps=3)
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    assert differences(expected, train(model, backward, _input, steps=3)) == []
+
+
+@pytest.mark.parametrize("backward", ["plain", "retain_graph", "create_graph"])
+def test_the_pair_that_does_checkpoints_work_is_exact_over_steps_and_second_backwards(backward):
+    _exact(backward)
+
+
+_FLAG = [True]
+
+
+class Flagged(nn.Module):
+    """Takes the other side of an ``if`` when a global flag changes between its forward and its replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        return torch.relu(x) if _FLAG[0] else torch.sigmoid(x)
+
+
+def test_a_replay_that_diverges_after_the_first_step_is_caught():
+    """The fingerprint still compares every saved tensor where checkpoint's own check is off."""
+    model = Stack([Flagged(), Flagged()])
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    _step(model)
+    loss = _input(model)
+    _FLAG[0] = False
+    try:
+        with pytest.raises(hyperac.RecomputeMismatchError, match=r"layer 'layers\.1' diverged from its forward"):
+            loss.backward()
+    finally:
+        _FLAG[0] = True
+
+
+def test_without_early_stop_the_pair_is_exact():
+    with torch_recompute.set_checkpoint_early_stop(False):
+        _exact()
+
+
+@pytest.fixture
+def probe_fails(monkeypatch):
+    monkeypatch.setattr(region_saves, "_CODES", None)
+    yield region_saves.probe_checkpoint_hooks(again=True)
+    monkeypatch.undo()
+    assert region_saves.probe_checkpoint_hooks(again=True) is None
+
+
+def test_where_the_probe_fails_regions_call_checkpoints_hooks_as_before(probe_fails):
+    assert probe_fails == "torch.utils.checkpoint's hooks are not built as hyperac expects"
+    model = _model()
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    _step(model)
+    assert _checkpoint_hook_calls(lambda: _step(model)) > 8
+    _exact()
+
+
+# --- the snapshot's comparisons by dict version --------------------------------------------------------------
+
+class Restless(nn.Module):
+    """Counts its calls and reads an optional attribute as a value; branches on the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.linear(x) * (1 + getattr(self, "extra", 0))
+        return torch.tanh(x) if self.calls % 2 else torch.sigmoid(x)
+
+
+_CHANGES = {
+    "added": lambda layer: setattr(layer, "extra", layer.calls),  # a new key (rebound on later steps)
+    "rebound": lambda layer: setattr(layer, "calls", layer.calls + 100),  # one key, another object
+    "deleted": lambda layer: delattr(layer, "calls"),  # the replay must see it as the forward did
+    "hook": lambda layer: layer.register_forward_hook(lambda module, args, out: out * 3),
+    "frozen": lambda layer: layer.linear.weight.requires_grad_(False),
+}
+
+
+def _restless_training(apply: bool, change: str) -> list:
+    """Three steps; between each forward and its backward every layer's state changes (``change``); between
+    the second and the third a sub-module is swapped."""
+    torch.manual_seed(0)
+    model = Stack([Restless(), Restless()])
+    if apply:
+        hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    record = []
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        loss = _input(model)
+        for layer in model.layers:
+            _CHANGES[change](layer)
+        loss.backward()
+        record.append(("loss", loss.detach()))
+        record += [(name, parameter.grad.clone()) for name, parameter in model.named_parameters()
+                   if parameter.grad is not None]
+        for layer in model.layers:
+            layer.linear.weight.requires_grad_(True)
+            layer._forward_hooks.clear()
+            layer.calls = getattr(layer, "calls", 0)
+        if step == 1:
+            swapped = nn.Linear(D, D)
+            swapped.load_state_dict(model.layers[1].linear.state_dict())
+            model.layers[0].linear = swapped
+    return record
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+@pytest.mark.parametrize("versions", [True, False])
+def test_state_changed_between_forward_and_backward_is_seen_by_the_replay_as_the_forward_saw_it(
+        versions, change, monkeypatch):
+    """Each write between a forward and its replay moves a version (or, without versions, is compared): the
+    replay sees the forward's state, and a sub-module swapped between steps is the one the next step runs."""
+    if not versions:
+        monkeypatch.setattr(python_state, "_VERSION_AT", None)
+    assert differences(_restless_training(False, change), _restless_training(True, change)) == []
+
+
+def test_dict_versions_are_found_on_this_python():
+    assert python_state._VERSION_AT is not None
+    state = {"a": 1}
+    stamp = python_state._stamp(state)
+    before = stamp.value
+    state["a"] = 2
+    assert stamp.value != before
+
+
+def test_the_module_tree_is_modules_in_its_order():
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, nn.Sequential(nn.ReLU(), shared, None or nn.Identity()), shared)
+    assert python_state.module_tree(model) == list(model.modules())
+
+
+# --- routing ops only ---------------------------------------------------------------------------------------
+
+def test_a_full_apply_resolves_no_op_sets_per_layer(monkeypatch):
+    """All-``full`` plans read the routing ops, resolved once per process, not every op set per layer."""
+    calls = []
+    monkeypatch.setattr(hyperac.recompute, "resolve_op_sets", lambda *args, **kwargs: calls.append(args))
+    model = _model()
+    hyperac.apply(model, mode="full", backend="cpu", layers="layers")
+    _step(model)
+    _step(model)
+    assert calls == []
