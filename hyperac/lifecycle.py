@@ -101,10 +101,10 @@ class HookOps:
         returns a view of its input and computes nothing, so a view of a leaf other than a parameter is
         looked up too) is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__``
         through one method, and :meth:`ran` with the op's output where it answers ``True``."""
-        if torch.is_grad_enabled() and any(
-            isinstance(arg, torch.Tensor) and arg.requires_grad
-            and not (alias and arg.is_leaf and not isinstance(arg, nn.Parameter)) for arg in args
-        ):
+        if alias and args and _of_a_leaf(args[0]):
+            self.derives = False
+            return True  # a view of a leaf computes nothing: on no tape, whoever takes it
+        if torch.is_grad_enabled() and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
             return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
         frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
         walked: list[types.FrameType] = []
@@ -117,8 +117,14 @@ class HookOps:
                 self.derives = False
                 return True
             if code in _CALL_CODES:
-                if not walked or (code, frame.f_lineno) in _FORWARD_LINES:
+                if not walked:
                     return False
+                if (code, frame.f_lineno) in _FORWARD_LINES:
+                    if not (collective and _reads_parameters(frame, args)):
+                        return False
+                    self.stacks.add(_package(walked))  # a wrapper's forward gathering its parameters (FSDP1)
+                    self.derives = False
+                    return True
                 reads_activations = any(storage in self._activations_of(frame) for storage in _storages(args))
                 if collective and reads_activations:
                     return False
@@ -156,6 +162,26 @@ def _storages(value: object) -> Iterator[int]:
             yield from _storages([getattr(leaf, name) for name in names])
         else:
             yield leaf.untyped_storage()._cdata
+
+
+def _of_a_leaf(tensor: object) -> bool:
+    """Whether ``tensor`` is a leaf (a parameter, a tensor autograd does not track) or a view of one (an FSDP1
+    parameter, a view of its flat parameter)."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    base = tensor._base
+    return tensor.is_leaf if base is None else base.is_leaf
+
+
+def _reads_parameters(call: types.FrameType, args: tuple) -> bool:
+    """Whether a collective called with ``args`` reads or writes the storage of a parameter of the module
+    whose ``forward`` ``nn.Module.__call__``'s frame ``call`` is running (its sub-modules' included): FSDP1
+    all-gathering a flat parameter's shard in its wrapper's forward."""
+    module = call.f_locals.get("self")
+    if not isinstance(module, nn.Module):
+        return False
+    touched = set(_storages(args))
+    return any(parameter.untyped_storage()._cdata in touched for parameter in module.parameters())
 
 
 def _package(walked: list[types.FrameType]) -> str:
