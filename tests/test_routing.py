@@ -16,7 +16,7 @@ import types
 
 import pytest
 import torch
-from hyperac_testing import Stack, assert_parity, lm_loss, tiny_mixtral, tiny_qwen2, tiny_qwen3_moe, train_step
+from hyperac_testing import BiasedMlp, Stack, assert_parity, lm_loss, tiny_mixtral, tiny_qwen2, tiny_qwen3_moe, train_step
 from torch import nn
 from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -351,3 +351,34 @@ def test_every_routing_op_decides_as_in_the_forward(route, mode):
     for forward, replayed in DECISIONS.values():
         assert type(forward) is type(replayed)
         assert torch.equal(forward, replayed) if isinstance(forward, torch.Tensor) else forward == replayed
+
+
+STATISTICS: list[int] = []
+"""What ``_weight_statistic`` read from the weights, per call (module level, as ``PICKS``)."""
+
+
+def _weight_statistic(module: nn.Module, args: tuple) -> None:
+    """A stack's parameter pre-hook reading a statistic of the weight to the host: ``argmax`` and ``.item()``,
+    routing ops that are no route of the layer."""
+    with torch.no_grad():
+        STATISTICS.append(module.weight.abs().argmax().item())
+
+
+def test_routing_ops_a_parameter_hook_runs_are_no_routes():
+    """``full``'s routing watch leaves out the routing ops a sharding stack's parameter hook runs, as the selective
+    recording does: the layer keeps no routes (it runs under no dispatch mode from its second step on, and the
+    planner counts no route bytes), and stays bitwise exact."""
+    x = torch.randn(16, 32, requires_grad=True)
+    reference = train_step(Stack(BiasedMlp), lambda model: model(x).sum())
+    model = Stack(BiasedMlp)
+    for block in model.blocks:
+        block.up.register_forward_pre_hook(_weight_statistic)
+    model.blocks[0].gate.register_forward_pre_hook(_modes_inside)
+    estimate = hyperac.estimate(model, lambda model: model(x).sum(), backend="cpu", layers="blocks")
+    assert [layer.route_bytes for layer in estimate.layers] == [0, 0]
+    hyperac.apply(model, mode="full", backend="cpu", layers="blocks")
+    for _ in range(2):
+        MODES_SEEN.clear()
+        assert_parity(reference, train_step(model, lambda model: model(x).sum()))
+    assert MODES_SEEN == [0, 0]  # a layer found routing would run its forward and replay under the routes' mode
+    assert len(set(STATISTICS)) == 2  # the hooks ran, in the forward and in the replay

@@ -21,7 +21,10 @@ no route and is recomputed.
   [Writes into kept outputs] in policy.py).
 * ``full`` keeps only the layer input, and on a layer that routes, its routes: a dispatch mode
   (:class:`_KeptRoutes`) watches the region's forward for routing ops and keeps a copy of each output;
-  the replay's routing ops return them in order. Only a layer that ran such an op pays for it: the
+  the replay's routing ops return them in order. A routing op a sharding stack's parameter hook runs
+  (``.item()`` of a parameter's statistic, ``nonzero`` over which shards to gather) is the stack's, not a
+  route, as in the selective modes' recording (NOTE [Parameter lifecycles are not the layer's program] in
+  lifecycle.py), and in the planner's count of route bytes. Only a layer that ran such an op pays for it: the
   layer's first forward in training finds out, and a layer that routed nothing runs without the mode
   from then on (a layer that routes only on some calls must route on its first). A replay whose
   routing op differs from the forward's, or whose arguments the kept output no longer fits, raises
@@ -45,7 +48,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..policy import OpSets, _EagerMode, _shapes, bypass_replay, unfit
+from ..policy import _ROUTE, OpSets, _EagerMode, _shapes, bypass_replay, unfit
 from .replay_check import divergence
 
 __all__ = ["RoutesSeen", "routes_in_full"]
@@ -86,8 +89,11 @@ class _KeptRoutes(_EagerMode):
         self.routes, self.routing, self.seen = routes, routing, seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if id(func) in self.routing and not bypass_replay.get() and torch._C._current_graph_task_id() == self.task:
+        if id(func) not in self.routing or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
+            return func(*args, **(kwargs or {}))
+        stack_op, out = self._stack_op(func, args, kwargs or {}, _ROUTE)
+        if not stack_op:
+            out = func(*args, **(kwargs or {}))
             self.routes.ops.append(func)
             self.routes.outputs.append(_copy(out))
             self.routes.shapes.append(_shapes(args))
@@ -115,6 +121,9 @@ class _ReplayedRoutes(_EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if id(func) not in self.routing or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **(kwargs or {}))
+        stack_op, out = self._stack_op(func, args, kwargs or {}, _ROUTE)
+        if stack_op:
+            return out
         routes, position = self.routes, self.cursor
         self.cursor += 1
         where = f"routing op {position} of {len(routes.ops)}"
