@@ -424,10 +424,11 @@ class _Kept:
     the aliases of their storages whose version counters are their own
     (NOTE [Aliases with their own version counter])."""
 
-    __slots__ = ("aliases", "lasting", "leaves", "rng", "shapes", "spec", "versions", "written")
+    __slots__ = ("aliases", "filled", "lasting", "leaves", "rng", "shapes", "spec", "versions", "written")
 
     def __init__(self, leaves: list[Any], spec: Any, rng: GeneratorStates | None,
-                 written: dict[int, int] | None = None, shapes: tuple = (), lasting: bool = False) -> None:
+                 written: dict[int, int] | None = None, shapes: tuple = (), lasting: bool = False,
+                 filled: list[tuple[int, torch.Tensor]] | None = None) -> None:
         self.leaves = leaves
         self.shapes = shapes
         """The shapes of the op's tensor arguments in forward, which the replay's must equal
@@ -438,6 +439,9 @@ class _Kept:
         self.written = written or {}
         """Output leaf position -> position among the op's argument leaves of the tensor it is (a
         collective that writes into its arguments; NOTE [Collectives that write into their arguments])."""
+        self.filled = filled or []
+        """``(argument leaf position, copy)`` per tensor a collective wrote into and did not return
+        (``all_to_all_single``'s output; NOTE [Collectives that write into their arguments])."""
         self.spec = spec
         self.versions = [leaf._version if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         self.rng = rng
@@ -461,6 +465,10 @@ class _Kept:
         """The kept output; an op that wrote into its ``arguments`` (the replay's) writes the kept
         values into them and returns them, as it did in forward."""
         leaves = self.leaves
+        for index, copy in self.filled:
+            target = tree_leaves(arguments)[index]
+            with torch.autograd._unsafe_preserve_version_counter(target):  # as the collective's write
+                target.copy_(copy)
         if self.written:
             flat, leaves = tree_leaves(arguments), list(leaves)
             for position, index in self.written.items():
@@ -475,6 +483,14 @@ class _Kept:
 def _shapes(args: tuple) -> tuple:
     """The shapes of the tensors among an op's positional arguments."""
     return tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor))
+
+
+def _fills_first_argument(op: Any) -> bool:
+    """A collective that writes into its first argument and returns none of it, only its ``Work``
+    (``c10d::alltoall_base_``, which ``all_to_all_single`` runs; ``recv_``)."""
+    schema = getattr(op, "_schema", None)
+    return (schema is not None and schema.name.endswith("_")
+            and not any("Tensor" in str(value.type) for value in schema.returns))
 
 
 def _written_arguments(leaves: list[Any], arguments: Any) -> dict[int, int]:
@@ -501,7 +517,9 @@ def _written_arguments(leaves: list[Any], arguments: Any) -> dict[int, int]:
 # holds a copy of each output that is one of its arguments (the argument may be a buffer reused by
 # the next layer: Megatron's sequence-parallel all-gather writes into one global buffer), and its
 # replay writes that copy into the replay's argument and returns the argument, as the forward did
-# (the version counter left as it was: a collective's write does not bump it). The copy costs the
+# (the version counter left as it was: a collective's write does not bump it). One that returns only its
+# ``Work`` (``all_to_all_single``'s ``alltoall_base_``, an expert-parallel layer's token exchange; ``recv_``)
+# writes into its first argument: that is kept as a copy and written back alike. The copy costs the
 # collective's output bytes, what keeping its output costs anyway. The op returns before the
 # collective is done (gloo runs it on a thread of its own, NCCL and HCCL on a stream of their own,
 # until ``work.wait()``), so the copy waits for it first: an asynchronous collective in a selective
@@ -704,16 +722,18 @@ class _RecordingMode(_EagerMode):
             keeps = not higher_order.wrote(versions)
         # a collective keeps its arguments, for what it wrote (NOTE [Collectives that write into their arguments])
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
-        self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE)
+        self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE, func)
                                  if keeps else None)
         if kind >= _ROUTE or keyed:  # routes, collectives and higher-order ops are never pruned
             self.never_pruned.add(len(self.tape.entries) - 1)
         return out
 
-    def _keep(self, out: Any, rng: GeneratorStates | None, arguments: Any, args: tuple, lasting: bool) -> _Kept:
+    def _keep(self, out: Any, rng: GeneratorStates | None, arguments: Any, args: tuple, lasting: bool,
+              func: Any = None) -> _Kept:
         leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         written = {} if arguments is None else _written_arguments(leaves, arguments)
-        if written:  # wait for the write (NOTE [Collectives that write into their arguments])
+        fills = arguments is not None and not written and _fills_first_argument(func)
+        if written or fills:  # wait for the write (NOTE [Collectives that write into their arguments])
             for leaf in leaves:
                 if isinstance(leaf, torch.ScriptObject) and hasattr(leaf, "wait"):
                     leaf.wait()
@@ -724,7 +744,9 @@ class _RecordingMode(_EagerMode):
                 if self.on_save is not None:
                     self.on_save(leaf)
                 leaves[position] = torch_recompute._detach_helper(leaf)
-        kept = _Kept(leaves, spec, rng, written, _shapes(args), lasting)
+        filled = [(index, leaf.detach().clone()) for index, leaf in enumerate(tree_leaves(args[0]))
+                  if isinstance(leaf, torch.Tensor)] if fills else None
+        kept = _Kept(leaves, spec, rng, written, _shapes(args), lasting, filled)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 self.kept_storages.setdefault(leaf.untyped_storage()._cdata, []).append((kept, position))
