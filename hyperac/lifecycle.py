@@ -25,7 +25,13 @@ inside a forward. A view a hook takes of a leaf is not, with autograd on or off:
 again in the replay wherever the hook runs again, and a hook may take it in the forward only (torch's
 ``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs in forward
 and not in backward, and finds a leaf input's gradient accumulator through ``view_as``, which shifted the tape
-by one op). A collective in a forward (Megatron's sequence-parallel all-gather of activations,
+by one op). So no view of a leaf (a parameter, a tensor autograd does not track) or of a view of one is on
+a tape, whoever takes it: FSDP1 (``FullyShardedDataParallel``) takes ``flat_param.expand_as(flat_param)`` for
+its gradient hook in its wrapper's own ``forward`` (no hook), in the first forward only, and builds a unit's
+parameters as views of its flat parameter where it gathers them, which a replay may find gathered already.
+A collective that a wrapper's ``forward`` runs on the storage of its module's parameters (FSDP1's all-gather of
+a flat parameter's shard, around the wrapped module's call) is the stack's too: recorded, it would be kept, and
+pin the gathered parameters until backward. A collective in a forward (Megatron's sequence-parallel all-gather of activations,
 ``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's and kept like every collective
 (NOTE [Collectives by their schema] in op_identity.py), and so is one a hook runs on the module's inputs or
 output (a tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd
