@@ -31,8 +31,8 @@ its gradient hook in its wrapper's own ``forward`` (no hook), in the first forwa
 parameters as views of its flat parameter where it gathers them, which a replay may find gathered already.
 A collective that a wrapper's ``forward`` runs on the storage of its module's parameters (FSDP1's all-gather of
 a flat parameter's shard, around the wrapped module's call) is the stack's too: recorded, it would be kept, and
-pin the gathered parameters until backward. A collective in a forward (Megatron's sequence-parallel all-gather of activations,
-``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's and kept like every collective
+pin the gathered parameters until backward. A collective in a forward (Megatron's sequence-parallel all-gather of
+activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's and kept like every collective
 (NOTE [Collectives by their schema] in op_identity.py), and so is one a hook runs on the module's inputs or
 output (a tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd
 off); the same op run by a ZeRO-3 pre-hook on parameter shards, which are neither, is not seen. What a hook

@@ -1,9 +1,12 @@
-"""Multi-process scenarios for tests/test_distributed.py: FSDP2, FSDP1 and DDP on CPU with gloo.
+"""Multi-process scenarios for tests/test_distributed.py: FSDP2, FSDP1, expert parallelism and DDP on CPU
+with gloo.
 
 Run under torchrun (two ranks); rank 0 writes one JSON object with a result per case of
 :data:`CASES` (``python tests/distributed_worker.py --list`` prints their keys)::
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py OUT.json [fsdp] [fsdp1] [ep] [ddp]
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py OUT.json [GROUP...]
+
+(groups: ``fsdp``, ``fsdp1``, ``ep``, ``ddp``; all of them where none is named).
 
 Every case trains one step of a tiny model (2 layers, width 32, 16 tokens, 2 sequences per rank)
 and is compared with two references computed in the same processes: the un-applied model on the
@@ -425,8 +428,8 @@ def run_ep(case: Case, base: nn.Module) -> tuple[Step, dict[str, Any]]:
         dist.all_gather(shards, parameter.grad)
         grads.update((f"{name}@{rank}", shard) for rank, shard in enumerate(shards))
     splits = list(EP_SPLITS.values())
-    info = {"calls": [len(calls) for calls in splits], "splits_match": all(c == calls[0] for calls in splits for c in calls),
-            **applied_summary(model, plan)}
+    info = {"calls": [len(calls) for calls in splits],
+            "splits_match": all(sent == calls[0] for calls in splits for sent in calls), **applied_summary(model, plan)}
     return (averaged_loss(loss), grads), info
 
 

@@ -16,7 +16,16 @@ import types
 
 import pytest
 import torch
-from hyperac_testing import BiasedMlp, Stack, assert_parity, lm_loss, tiny_mixtral, tiny_qwen2, tiny_qwen3_moe, train_step
+from hyperac_testing import (
+    BiasedMlp,
+    Stack,
+    assert_parity,
+    lm_loss,
+    tiny_mixtral,
+    tiny_qwen2,
+    tiny_qwen3_moe,
+    train_step,
+)
 from torch import nn
 from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode

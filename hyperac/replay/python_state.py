@@ -496,7 +496,8 @@ class _Contents(_Entry):
 def _parameter_view(value: Any) -> bool:
     """Whether ``value`` is a parameter or a view of one: what FSDP1 sets as a module's attribute while it
     holds the parameter gathered (NOTE [Parameter bookkeeping is the stack's])."""
-    return isinstance(value, nn.Parameter) or (isinstance(value, torch.Tensor) and isinstance(value._base, nn.Parameter))
+    return isinstance(value, nn.Parameter) or (
+        isinstance(value, torch.Tensor) and isinstance(value._base, nn.Parameter))
 
 
 def _holds_parameters(contents: Any) -> bool:

@@ -32,13 +32,24 @@ no route and is recomputed.
 * ``off`` and ``swap`` have no replay; ``auto`` plans these modes, and its profile counts the kept
   routes in each mode's bytes (they are alive at backward like any kept output).
 
+A layer that is no router but runs such an op (``.item()`` of a norm's scalar check, ``nonzero`` of a padding
+mask) counts as one: it stays exact (its replay takes the forward's value, which is what the un-applied layer
+used) and pays for it. In ``full`` it runs its forward and replays under the watch (one dispatch per op) and
+keeps the op's output (a few bytes for a scalar), for good; in the selective modes the output is kept like a
+kept matmul's. Telling such an op from a route would take following its output to an index or a shape, per
+op; hyperac does not, as the cost is small where the output is a scalar or a mask.
+
 ``force_recompute=`` naming the router still wins: its routing ops keep nothing and are run again, and
 the guarantee is given up for it; a route that then comes out otherwise raises where a kept output no
 longer fits (NOTE [Kept outputs that no longer fit] in policy.py) or trains with the replay's route.
 Not covered: layers applied with ``compile=True``. Their regions run PyTorch's selective checkpoint,
 whose eager fallback (a region the compiler splits at a graph break, as HF's eager experts make one)
 refuses a write into a cached output, which routers make; so there routing ops are recomputed, as
-before, and a compiled ``full`` layer replays its graph, routing included.
+before, and a compiled ``full`` layer replays its graph, routing included. Within one graph the
+partitioner would honour ``MUST_SAVE`` on a routing op (the write is functionalized there), and the policy
+could tell a trace (fake tensors) from the eager fallback (real ones); not done: a compiled ``full`` layer
+would then need a policy instead of replaying its graph, and a router's noise from a generator outside
+the graph (what a test of it needs) breaks the graph.
 """
 
 from __future__ import annotations
