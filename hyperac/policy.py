@@ -18,8 +18,9 @@ the rest:
   [Collectives by their schema] in op_identity.py);
 * what decides a data-dependent route (an MoE router's ``topk``, ``sort``, ``argmax``, ``nonzero``,
   ``bincount``, ``histc``, ``.item()``) is kept in every mode and never run again, so the replay routes
-  as its forward did (NOTE [Routing is kept] in replay/routing.py); a router that writes into its ``topk``
-  output in place is given the value ``topk`` returned (NOTE [Writes into kept outputs]);
+  as its forward did (NOTE [Routing is kept] in replay/routing.py), also in a compiled layer's graph; a
+  router that writes into its ``topk`` output in place is given the value ``topk`` returned (NOTE
+  [Writes into kept outputs]);
 * higher-order ops (flex attention, a compiled region called from an eager layer, control flow, a
   user's own) reach the recording and replay modes as one op each, with a rule per op: flex attention
   is attention, compiled regions are kept, control flow is replayed, an unknown one is kept (NOTE
@@ -38,7 +39,8 @@ replays writes into kept outputs once (NOTE [Writes into kept outputs], NOTE [Re
 use the tape]); and it costs less per op. ``compile=True`` runs the same policy in PyTorch's modes,
 which the compiler understands (NOTE [Selective recompute under torch.compile]). Private torch
 internals used: ``_detach_helper``, ``SAC_IGNORED_OPS``, ``_sac_storage_key`` (for compiled regions
-inside an eager region).
+inside an eager region), ``torch._C._get_dispatch_mode`` (whether AOTAutograd traces a compiled region, as
+``torch.utils.checkpoint`` itself asks).
 """
 
 from __future__ import annotations
@@ -394,12 +396,13 @@ class SelectivePolicy:
         return kind >= _KEEP
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        """The decision for ``op`` in PyTorch's policy-function form. Routes are recomputed here: a region
-        the compiler splits at a graph break runs PyTorch's eager selective checkpoint, which refuses a
-        router's in-place write into a cached ``topk`` output (NOTE [Routing is kept] in replay/routing.py)."""
+        """The decision for ``op`` in PyTorch's policy-function form. Routes are saved where the compiler traces
+        the region (a router's in-place write into ``topk``'s output is functionalized in the graph) and
+        recomputed in a region it ran eagerly at a graph break, whose PyTorch selective checkpoint refuses that
+        write into a cached output (NOTE [Routing is kept] in replay/routing.py)."""
         kind = self.ops.classify(op)[0]
         if kind == _ROUTE:
-            return CheckpointPolicy.MUST_RECOMPUTE
+            return _route_policy()
         if self.keeps(kind, op, args):
             return self.kept
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -983,6 +986,19 @@ def selective_contexts(
     )
 
 
+def _route_policy() -> CheckpointPolicy:
+    """A route's decision under ``compile=True``: saved where AOTAutograd traces the region (its proxy mode is on),
+    recomputed where the region runs eagerly at a graph break (NOTE [Routing is kept] in replay/routing.py)."""
+    traced = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    return CheckpointPolicy.MUST_SAVE if traced else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _routes_saved(ops: OpSets, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``compile=True`` policy of a ``full`` layer: torch's own for a checkpoint region (recompute every op),
+    but for routes (NOTE [Routing is kept] in replay/routing.py)."""
+    return _route_policy() if ops.classify(op)[0] == _ROUTE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _offload_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The ``compile=True`` policy of a ``swap`` layer: what the partitioner saves goes to host memory."""
     return CheckpointPolicy.PREFER_CPU_OFFLOAD
@@ -1004,8 +1020,12 @@ def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool,
     per region invocation), and the policy is called at trace time only: nothing of it runs per
     step.
     """
-    policy = _offload_saved if mode == "swap" else SelectivePolicy(resolve_op_sets(backend_type(), save_ops), mode,
-                                                                       offload)
+    if mode == "swap":
+        policy: Callable[..., CheckpointPolicy] = _offload_saved
+    elif mode == "full":
+        policy = functools.partial(_routes_saved, resolve_op_sets(backend_type(), save_ops))
+    else:
+        policy = SelectivePolicy(resolve_op_sets(backend_type(), save_ops), mode, offload)
     contexts = torch_recompute.create_selective_checkpoint_contexts(policy)
     # PyTorch's modes have rules for a few higher-order ops only; with this, every other one (a
     # ``torch.cond`` in the layer) comes to them as one op, which the policy decides as in eager mode

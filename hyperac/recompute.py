@@ -203,13 +203,14 @@ def build_context_fn(
     layer: str = "?",
     index: int | None = None,
 ) -> RecomputeContext | None:
-    """The context of regions of ``mode``, or ``None`` for PyTorch's default (a compiled ``full`` region).
+    """The context of regions of ``mode``, or ``None`` for PyTorch's default (a compiled ``swap`` region that
+    does not offload).
 
     ``layer`` and ``index`` (fqn and flat index of the layer the region belongs to) name it in errors.
     Under ``compile``, ``swap_outputs`` offloads what the layer keeps (``mode="swap"``: everything it
     saves; NOTE [Swap under torch.compile] in compiled.py).
     """
-    if compile and mode not in SELECTIVE_MODES and not (mode == "swap" and swap_outputs):
+    if compile and mode not in (*SELECTIVE_MODES, "full") and not (mode == "swap" and swap_outputs):
         return None
     return RecomputeContext(
         mode, backend, ops, compile=compile, has_exclusions=has_exclusions, swap_outputs=swap_outputs,

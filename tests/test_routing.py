@@ -12,7 +12,9 @@ shows the same setup flipping tokens when routing is recomputed.
 
 from __future__ import annotations
 
+import copy
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -391,3 +393,76 @@ def test_routing_ops_a_parameter_hook_runs_are_no_routes():
         assert_parity(reference, train_step(model, lambda model: model(x).sum()))
     assert MODES_SEEN == [0, 0]  # a layer found routing would run its forward and replay under the routes' mode
     assert len(set(STATISTICS)) == 2  # the hooks ran, in the forward and in the replay
+
+
+@torch.library.custom_op("hyperac_test::router_noise", mutates_args=())
+def _router_noise(logits: torch.Tensor) -> torch.Tensor:
+    """Noise on router logits from ``NOISE``, as one op the compiler traces (a generator argument would break the
+    graph) and the backward graph runs again where it recomputes the route: other noise there."""
+    return 0.5 * torch.randn(logits.shape, generator=NOISE, dtype=logits.dtype)
+
+
+@_router_noise.register_fake
+def _(logits: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(logits)
+
+
+class _CompiledRouter(nn.Module):
+    """Picks two of four columns per token with ``topk`` of noisy scores, renormalizing the picked scores in place
+    (Mixtral's ``router_top_value /= ...``), and mixes them into its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.router, self.up = nn.LayerNorm(16), nn.Linear(16, 4), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        logits = self.router(h)
+        value, index = (logits + _router_noise(logits.detach())).softmax(-1).topk(2, dim=-1)
+        value /= value.sum(-1, keepdim=True)
+        y = self.up(h)
+        return x + y * value.sum(-1, keepdim=True) + y.gather(-1, index * 4).sum(-1, keepdim=True)
+
+
+def _keeping(graphs: dict[str, list[torch.fx.GraphModule]]) -> Any:
+    """``aot_eager`` that keeps the forward and backward graphs it compiles in ``graphs``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(phase: str) -> Any:
+        def compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+            graphs[phase].append(graph)
+            return make_boxed_func(graph.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+
+def _runs(graph: torch.fx.GraphModule, op: Any) -> int:
+    return sum(node.target is op for node in graph.graph.nodes)
+
+
+@pytest.mark.parametrize("mode", ("full", "selective", "selective-even", "pointwise"))
+def test_compiled_layers_keep_their_routes(mode):
+    """A layer compiled in one graph (``compile=True``, ``aot_eager``) saves its routes: the backward graph runs no
+    ``topk``, and under noise that the backward graph would draw anew the last layer's ``up``, which sees the
+    routes and the exact gradient from the loss, gets the un-applied model's gradients bitwise."""
+    torch._dynamo.reset()
+    x = torch.randn(64, 16)
+    base = Stack(_CompiledRouter)
+    NOISE.manual_seed(0)
+    expected = train_step(copy.deepcopy(base), lambda model: model(x).sum())
+    model = copy.deepcopy(base)
+    hyperac.apply(model, mode=mode, compile=True, backend="cpu", layers="blocks")
+    graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+    for block in model.blocks:
+        block.compile(backend=_keeping(graphs))
+    NOISE.manual_seed(0)
+    result = train_step(model, lambda model: model(x).sum())
+    torch._dynamo.reset()
+    topk = torch.ops.aten.topk.default
+    assert [_runs(graph, topk) for graph in graphs["forward"]] == [1, 1]
+    assert [_runs(graph, topk) for graph in graphs["backward"]] == [0, 0]
+    last = "blocks.1.up."
+    assert_parity((expected[0], {k: v for k, v in expected[1].items() if k.startswith(last)}),
+                  (result[0], {k: v for k, v in result[1].items() if k.startswith(last)}))

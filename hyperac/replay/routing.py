@@ -42,14 +42,13 @@ op; hyperac does not, as the cost is small where the output is a scalar or a mas
 ``force_recompute=`` naming the router still wins: its routing ops keep nothing and are run again, and
 the guarantee is given up for it; a route that then comes out otherwise raises where a kept output no
 longer fits (NOTE [Kept outputs that no longer fit] in policy.py) or trains with the replay's route.
-Not covered: layers applied with ``compile=True``. Their regions run PyTorch's selective checkpoint,
-whose eager fallback (a region the compiler splits at a graph break, as HF's eager experts make one)
-refuses a write into a cached output, which routers make; so there routing ops are recomputed, as
-before, and a compiled ``full`` layer replays its graph, routing included. Within one graph the
-partitioner would honour ``MUST_SAVE`` on a routing op (the write is functionalized there), and the policy
-could tell a trace (fake tensors) from the eager fallback (real ones); not done: a compiled ``full`` layer
-would then need a policy instead of replaying its graph, and a router's noise from a generator outside
-the graph (what a test of it needs) breaks the graph.
+Layers applied with ``compile=True`` run PyTorch's selective checkpoint, ``full`` included (with
+torch's own policy for a checkpoint region, recompute every op, but for routes): where AOTAutograd traces
+the region (its proxy mode is on as the policy is asked) a routing op is ``MUST_SAVE``, and the
+partitioner saves it, a router's in-place write into it functionalized in the graph; the backward graph
+runs no ``topk``. Where the compiler splits the region at a graph break (HF's eager experts make one), the
+part it runs eagerly recomputes its routes: PyTorch's eager selective checkpoint refuses a write into a
+cached output, which routers make.
 """
 
 from __future__ import annotations
