@@ -81,7 +81,7 @@ class Case:
     expect_error: str | None = None
     units: str = ""
     """FSDP1's wrap units (``fsdp1``): ``linear`` (each Linear and each layer), ``mlp_attn`` (each MLP,
-    attention and layer), ``linear_only`` (each Linear, not the layer: the order ``shard_first`` can take)."""
+    attention and layer), ``linear_only`` (each Linear, not the layer), ``layer`` (each layer)."""
     orig_params: bool = True
     """FSDP1's ``use_orig_params``."""
 
@@ -117,6 +117,11 @@ def _cases() -> list[Case]:
     cases += [Case("fsdp1", "llama", mode, FSDP1_OPTIONS[mode], units="mlp_attn") for mode in ("off", "selective")]
     cases += [Case("fsdp1", "llama", mode, FSDP1_OPTIONS[mode], units="linear_only", orig_params=False,
                    order="shard_first" if mode != "off" else "apply_first") for mode in ("off", "pointwise")]
+    # hyperac applied to the wrapped model: FSDP1 shards the layers too, and hyperac recomputes inside its units
+    cases += [Case("fsdp1", "llama", "selective_shard_first", FSDP1_OPTIONS["selective"], units="linear",
+                   orig_params=orig_params, order="shard_first") for orig_params in (True, False)]
+    cases += [Case("fsdp1", "llama", name, FSDP1_OPTIONS[name.removesuffix("_shard_first")], units="layer",
+                   order="shard_first") for name in ("off", "selective_shard_first")]
     # Expert parallelism under router noise hyperac cannot replay: the replay's split sizes must be the forward's.
     cases += [Case("ep", "moe", mode, None if mode == "off" else dict(mode=mode), units="experts")
               for mode in ("off", "full", "selective", "selective-even", "pointwise", "auto")]
@@ -289,7 +294,8 @@ def fsdp1_units(units: str) -> Any:
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
     return ModuleWrapPolicy({"linear": {nn.Linear, LlamaDecoderLayer}, "linear_only": {nn.Linear},
-                             "mlp_attn": {LlamaMLP, LlamaAttention, LlamaDecoderLayer}}[units])
+                             "mlp_attn": {LlamaMLP, LlamaAttention, LlamaDecoderLayer},
+                             "layer": {LlamaDecoderLayer}}[units])
 
 
 def fsdp1_full_grads(model: nn.Module, orig_params: bool) -> dict[str, torch.Tensor]:

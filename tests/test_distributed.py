@@ -88,12 +88,13 @@ def test_fsdp2(results, case):
 
 
 @pytest.mark.parametrize("case", FSDP1_CASES, ids=lambda case: case.key)
-def test_fsdp1_units_inside_layers(results, case):
-    """FSDP1 units inside each layer (each Linear, or the MLP and attention), ``use_orig_params`` on and off, hyperac
-    applied before or after wrapping: every mode is bitwise equal to FSDP1 alone. Its wrapper's forward gathers
-    and releases a unit's flat parameter around the unit's own; the selective modes neither record those ops
-    nor keep the all-gather (a replay runs FSDP1's all-gathers as ``full``'s does), so they do not pin the
-    gathered parameters (NOTE [Parameter lifecycles are not the layer's program] in hyperac/lifecycle.py)."""
+def test_fsdp1(results, case):
+    """FSDP1 units inside each layer (each Linear, or the MLP and attention) or the layers alone,
+    ``use_orig_params`` on and off, hyperac applied before or after wrapping: every mode is bitwise equal to
+    FSDP1 alone. Its wrapper's forward gathers and releases a unit's flat parameter around the unit's own;
+    the selective modes neither record those ops nor keep the all-gather (a replay runs FSDP1's all-gathers
+    as ``full``'s does), so they do not pin the gathered parameters (NOTE [Parameter lifecycles are not the
+    layer's program] in hyperac/lifecycle.py)."""
     result = succeeded(results, case)
     if case.options is not None and case.options["mode"] != "auto":  # auto: a plan of the measured times
         check_applied(case, result)
