@@ -104,9 +104,9 @@ class HookOps:
 
     def owns(self, args: tuple, collective: bool, alias: bool = False) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
-        returns a view of its input and computes nothing, so a view of a leaf other than a parameter is
-        looked up too) is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__``
-        through one method, and :meth:`ran` with the op's output where it answers ``True``."""
+        returns a view of its input and computes nothing, so a view of a leaf or of a leaf's view is on no tape)
+        is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` through one method,
+        and :meth:`ran` with the op's output where it answers ``True``."""
         if alias and args and _of_a_leaf(args[0]):
             self.derives = False
             return True  # a view of a leaf computes nothing: on no tape, whoever takes it
