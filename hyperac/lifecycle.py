@@ -25,10 +25,12 @@ inside a forward. A view a hook takes of a leaf is not, with autograd on or off:
 again in the replay wherever the hook runs again, and a hook may take it in the forward only (torch's
 ``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs in forward
 and not in backward, and finds a leaf input's gradient accumulator through ``view_as``, which shifted the tape
-by one op). So no view of a leaf (a parameter, a tensor autograd does not track) or of a view of one is on
-a tape, whoever takes it: FSDP1 (``FullyShardedDataParallel``) takes ``flat_param.expand_as(flat_param)`` for
-its gradient hook in its wrapper's own ``forward`` (no hook), in the first forward only, and builds a unit's
-parameters as views of its flat parameter where it gathers them, which a replay may find gathered already.
+by one op). So no view of a tensor autograd does not track is on a tape, whoever takes it, nor a view of a
+parameter or of a view of one: FSDP1 (``FullyShardedDataParallel``) takes ``flat_param.expand_as(flat_param)``
+for its gradient hook in its wrapper's own ``forward`` (no hook), in the first forward only, and builds a unit's
+parameters as views of its flat parameter where it gathers them, which a replay may find gathered already. A
+layer given a parameter's view (DETR's query position embeddings) gets the same view in its replay (NOTE
+[Inputs written in place] in recompute.py), so its views of it are on neither tape.
 A collective that a wrapper's ``forward`` runs on the storage of its module's parameters (FSDP1's all-gather of
 a flat parameter's shard, around the wrapped module's call) is the stack's too: recorded, it would be kept, and
 pin the gathered parameters until backward. A collective in a forward (Megatron's sequence-parallel all-gather of
@@ -104,13 +106,20 @@ class HookOps:
 
     def owns(self, args: tuple, collective: bool, alias: bool = False) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
-        returns a view of its input and computes nothing, so a view of a leaf or of a leaf's view is on no tape)
-        is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` through one method,
-        and :meth:`ran` with the op's output where it answers ``True``."""
-        if alias and args and _of_a_leaf(args[0]):
-            self.derives = False
-            return True  # a view of a leaf computes nothing: on no tape, whoever takes it
-        if torch.is_grad_enabled() and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+        returns a view of its input and computes nothing, so a view of what autograd does not track, or of a
+        parameter or a parameter's view, is on no tape) is a stack's, not the layer's. Call it from a
+        dispatch mode's ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where it
+        answers ``True``."""
+        if alias and args and isinstance(args[0], torch.Tensor):
+            if not args[0].requires_grad:
+                self.derives = False
+                return True  # a view of what autograd does not track computes nothing: on no tape
+            if _views_a_parameter(args[0]):
+                self.derives = False
+                return True  # nor does a view of a parameter (FSDP1's, of its flat parameter)
+        if torch.is_grad_enabled() and any(
+            isinstance(arg, torch.Tensor) and arg.requires_grad and not (alias and arg.is_leaf) for arg in args
+        ):
             return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
         frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
         walked: list[types.FrameType] = []
@@ -170,13 +179,10 @@ def _storages(value: object) -> Iterator[int]:
             yield leaf.untyped_storage()._cdata
 
 
-def _of_a_leaf(tensor: object) -> bool:
-    """Whether ``tensor`` is a leaf (a parameter, a tensor autograd does not track) or a view of one (an FSDP1
-    parameter, a view of its flat parameter)."""
-    if not isinstance(tensor, torch.Tensor):
-        return False
-    base = tensor._base
-    return tensor.is_leaf if base is None else base.is_leaf
+def _views_a_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one (an FSDP1 parameter is a view of its unit's flat
+    parameter)."""
+    return isinstance(tensor if tensor._base is None else tensor._base, nn.Parameter)
 
 
 def _reads_parameters(call: types.FrameType, args: tuple) -> bool:

@@ -318,7 +318,10 @@ class _CacheAsBefore:
 # shared) and the region lets go of them after the forward, so swap can free or move them: there,
 # only writes during the forward are caught, and a caller's later write meets torch's check.
 # Checked only where the region runs eagerly (under torch.compile a traced region is the
-# compiler's); tensor subclasses (DTensor) are passed on as they are.
+# compiler's); tensor subclasses (DTensor) are passed on as they are, and so is a view of a parameter
+# (DETR's query position embeddings): the selective modes leave views of parameters off their tape
+# (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py), so the replay must get
+# one as its forward did; a caller's later write into it meets torch's check.
 
 def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     for position, value in enumerate(args):
@@ -337,9 +340,10 @@ def _leaves(value: Any) -> Any:
 
 
 def _with_own_counters(args: tuple) -> tuple:
-    """``args`` with each plain tensor replaced by an alias (the same storage, no copy) with a version
-    counter of its own (NOTE [Inputs written in place])."""
-    return tuple(torch.ops.aten._unsafe_view(a, a.shape) if type(a) is torch.Tensor else a for a in args)
+    """``args`` with each plain tensor but a parameter's view replaced by an alias (the same storage, no copy)
+    with a version counter of its own (NOTE [Inputs written in place])."""
+    return tuple(torch.ops.aten._unsafe_view(a, a.shape)
+                 if type(a) is torch.Tensor and not isinstance(a._base, nn.Parameter) else a for a in args)
 
 
 class _Region:
