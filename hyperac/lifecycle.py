@@ -25,15 +25,16 @@ inside a forward. A view a hook takes of a leaf is not, with autograd on or off:
 again in the replay wherever the hook runs again, and a hook may take it in the forward only (torch's
 ``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs in forward
 and not in backward, and finds a leaf input's gradient accumulator through ``view_as``, which shifted the tape
-by one op). So no view of a tensor autograd does not track is on a tape, whoever takes it, nor a view of a
-parameter or of a view of one: FSDP1 (``FullyShardedDataParallel``) takes ``flat_param.expand_as(flat_param)``
-for its gradient hook in its wrapper's own ``forward`` (no hook), in the first forward only, and builds a unit's
-parameters as views of its flat parameter where it gathers them, which a replay may find gathered already. A
-layer given a parameter's view (DETR's query position embeddings) gets the same view in its replay (NOTE
-[Inputs written in place] in recompute.py), so its views of it are on neither tape.
-A collective that a wrapper's ``forward`` runs on the storage of its module's parameters (FSDP1's all-gather of
-a flat parameter's shard, around the wrapped module's call) is the stack's too: recorded, it would be kept, and
-pin the gathered parameters until backward. A collective in a forward (Megatron's sequence-parallel all-gather of
+by one op). Nor is any view of a parameter or of a view of one, whoever takes it: FSDP1
+(``FullyShardedDataParallel``) takes ``flat_param.expand_as(flat_param)`` for its gradient hook in its wrapper's
+own ``forward`` (no hook), in the first forward only, and builds a unit's parameters as views of its flat
+parameter where it gathers them, which a replay may find gathered already. A layer given a parameter's view
+(DETR's query position embeddings) gets the same view in its replay (NOTE [Inputs written in place] in
+recompute.py), so its views of it are on neither tape. A collective that a wrapper's ``forward`` runs on the
+storage of its module's parameters (FSDP1's all-gather of a flat parameter's shard, around the wrapped module's
+call) is the stack's too: recorded, it would be kept, and pin the gathered parameters until backward; the
+views of its gather buffer that FSDP1 takes around it, with autograd tracking nothing, a replay may skip (NOTE
+[Views a replay may skip] in policy.py). A collective in a forward (Megatron's sequence-parallel all-gather of
 activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's and kept like every collective
 (NOTE [Collectives by their schema] in op_identity.py), and so is one a hook runs on the module's inputs or
 output (a tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd
@@ -42,7 +43,10 @@ derives from the module's inputs and output (a chunked, concatenated copy to red
 
 The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or the
 ``inner`` function it runs when hooks are registered) tells by its current line whether it is calling the
-module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops with an argument autograd
+module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. The look stops where the region's
+forward is called (:func:`region_entry`): above it, the forward has the layer's own ``nn.Module.__call__`` and
+the replay the backward's frames, and an op directly in the layer's ``forward`` (a matmul fused with an
+all-reduce that reads the layer's weight) would be told apart in the two. Ops with an argument autograd
 tracks (most of a layer's, on its activations and parameters) are the layer's without the look, views of a
 leaf input excepted; the others pay for a few frames up (under a microsecond). The package whose code the hook
 runs names the stack in the error of a replay that still diverges (:func:`stacks_note`): a hook's op on
@@ -57,14 +61,14 @@ from __future__ import annotations
 import dis
 import sys
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["HookOps", "stacks_note"]
+__all__ = ["HookOps", "region_entry", "stacks_note"]
 
 
 def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.CodeType, int]]]:
@@ -82,6 +86,8 @@ def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.Cod
 
 
 _CALL_CODES, _FORWARD_LINES = _call_frames()
+_REGION_CODES: set[types.CodeType] = set()
+"""The code that calls a region's forward, in forward and in each replay (:func:`region_entry`)."""
 _GETATTR = nn.Module.__getattr__.__code__
 _WRAPPERS = ("torch._", "torch.utils.", "torch.compiler", "contextlib", "functools")
 """Modules of the decorators a hook may be wrapped in (``torch.no_grad()``, ``torch.compiler.disable``):
@@ -106,17 +112,13 @@ class HookOps:
 
     def owns(self, args: tuple, collective: bool, alias: bool = False) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
-        returns a view of its input and computes nothing, so a view of what autograd does not track, or of a
-        parameter or a parameter's view, is on no tape) is a stack's, not the layer's. Call it from a
+        returns a view of its input and computes nothing, so a view of a parameter or of a parameter's view is
+        on no tape) is a stack's, not the layer's. Call it from a
         dispatch mode's ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where it
         answers ``True``."""
-        if alias and args and isinstance(args[0], torch.Tensor):
-            if not args[0].requires_grad:
-                self.derives = False
-                return True  # a view of what autograd does not track computes nothing: on no tape
-            if _views_a_parameter(args[0]):
-                self.derives = False
-                return True  # nor does a view of a parameter (FSDP1's, of its flat parameter)
+        if alias and args and isinstance(args[0], torch.Tensor) and _views_a_parameter(args[0]):
+            self.derives = False
+            return True  # a view of a parameter computes nothing: on no tape (FSDP1's, of its flat parameter)
         if torch.is_grad_enabled() and any(
             isinstance(arg, torch.Tensor) and arg.requires_grad and not (alias and arg.is_leaf) for arg in args
         ):
@@ -125,6 +127,8 @@ class HookOps:
         walked: list[types.FrameType] = []
         while frame is not None:
             code = frame.f_code
+            if code in _REGION_CODES:
+                return False  # what runs the region differs between its forward and its replay: not looked at
             if code is _GETATTR:
                 if not walked:
                     return False
@@ -177,6 +181,14 @@ def _storages(value: object) -> Iterator[int]:
             yield from _storages([getattr(leaf, name) for name in names])
         else:
             yield leaf.untyped_storage()._cdata
+
+
+def region_entry(function: Callable[..., object]) -> Callable[..., object]:
+    """Mark ``function`` as what calls a recompute region's forward: :class:`HookOps` looks up the stack no further.
+    Above it the forward has the layer's own ``nn.Module.__call__`` and its caller, the replay the backward's
+    frames: a module found there would tell the forward's op from the replay's."""
+    _REGION_CODES.add(function.__code__)
+    return function
 
 
 def _views_a_parameter(tensor: torch.Tensor) -> bool:

@@ -483,6 +483,11 @@ class _Kept:
         return leaves[0] if self.spec is None else tree_unflatten(leaves, self.spec)
 
 
+def _tracks(args: tuple) -> bool:
+    """Whether autograd tracks a tensor among an op's positional arguments."""
+    return any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)
+
+
 def _shapes(args: tuple) -> tuple:
     """The shapes of the tensors among an op's positional arguments."""
     return tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor))
@@ -534,7 +539,7 @@ class _Tape:
     (replay runs it), a :class:`_Kept` (replay returns it) or ``_CONSUMED`` (an earlier replay
     returned it; a later one runs the op again)."""
 
-    __slots__ = ("entries", "index", "keys", "layer", "stacks")
+    __slots__ = ("entries", "index", "keys", "layer", "stacks", "views")
 
     def __init__(self, layer: str, index: int | None) -> None:
         self.keys: list[Any] = []
@@ -543,6 +548,9 @@ class _Tape:
         self.stacks: set[str] = set()
         """The packages whose module hooks ran parameter lifecycle ops in the region (NOTE [Parameter
         lifecycles are not the layer's program] in lifecycle.py)."""
+        self.views: set[int] = set()
+        """Positions of views of untracked tensors that keep nothing, which a replay may skip (NOTE [Views a
+        replay may skip])."""
 
 
 def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
@@ -727,6 +735,8 @@ class _RecordingMode(_EagerMode):
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
         self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE, func)
                                  if keeps else None)
+        if not keeps and getattr(func, "is_view", False) and not _tracks(args):  # NOTE [Views a replay may skip]
+            self.tape.views.add(len(self.tape.entries) - 1)
         if kind >= _ROUTE or keyed:  # routes, collectives and higher-order ops are never pruned
             self.never_pruned.add(len(self.tape.entries) - 1)
         return out
@@ -915,13 +925,30 @@ class _ReplayMode(_EagerMode):
         cast of a leaf (asked about whether or not the forward ran one here) is run without a tape
         entry, and the forward's casts that the replay does not run are skipped: either side may have
         served it from autocast's cache (NOTE [Autocast casts served from the cache] in
-        replay/replay_check.py). Anything else is a divergence.
+        replay/replay_check.py). Views of untracked tensors the forward took and the replay does not are
+        skipped (NOTE [Views a replay may skip]). Anything else is a divergence.
+
+        NOTE [Views a replay may skip]
+        FSDP1 gathers a unit's flat parameter in its wrapper's own ``forward``: it splits its gather buffer
+        into one view per rank, all-gathers into them (a collective on a parameter's storage: the stack's, NOTE
+        [Parameter lifecycles are not the layer's program] in lifecycle.py) and takes the flat parameter as a
+        view of the buffer, all with autograd tracking nothing; in backward it has gathered the unit before
+        the layer's replay reaches it (its backward prefetch), and the replay runs none of these. Nothing
+        tells these views from a layer's own view of an untracked tensor but that the replay does not run
+        them, and a view computes nothing: so a forward's view of untracked tensors that keeps nothing is
+        skipped where the replay runs another op. What else the replay runs is checked as before.
         """
         if cast_of_a_leaf(func, args, kwargs):
             return None
         tape, start = self.tape, self.cursor
         if start < len(tape.keys) and tape.keys[start] is key:
             return start
+        if start in tape.views:  # NOTE [Views a replay may skip]
+            for position in range(start, len(tape.keys)):
+                if tape.keys[position] is key or tape.keys[position] == key:
+                    return position
+                if position not in tape.views:
+                    break
         if start < len(tape.keys) and (_creates_constant(tape.keys[start]) or cast_of_a_leaf(tape.keys[start], ())):
             for position in range(start, len(tape.keys)):
                 if tape.keys[position] is key or tape.keys[position] == key:

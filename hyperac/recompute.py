@@ -51,6 +51,7 @@ from ._hf import CACHE_KWARGS
 from .backends import Backend
 from .config import KNAPSACK_MODES, SELECTIVE_MODES
 from .errors import InputWrittenError, UnsupportedModelError, warn_once
+from .lifecycle import region_entry
 from .policy import (
     OpSets,
     bypass_replay,
@@ -395,6 +396,7 @@ class _Region:
                     "or write into a copy (x = x.clone()) instead."
                 )
 
+    @region_entry  # where lifecycle.HookOps stops looking up the stack
     def __call__(self, *args: Any) -> Any:
         if not self.caches and not self.watched:  # traced: NOTE [Python side effects in a compiled region]
             return side_effects_once(self.call, *args, **self.kwargs)
