@@ -31,8 +31,9 @@ own ``forward`` (no hook), in the first forward only, and builds a unit's parame
 parameter where it gathers them, which a replay may find gathered already. A layer given a parameter's view
 (DETR's query position embeddings) gets the same view in its replay (NOTE [Inputs written in place] in
 recompute.py), so its views of it are on neither tape. A collective that a wrapper's ``forward`` runs on the
-storage of its module's parameters (FSDP1's all-gather of a flat parameter's shard, around the wrapped module's
-call) is the stack's too: recorded, it would be kept, and pin the gathered parameters until backward; the
+storage of its module's parameters into buffers it is given (FSDP1's all-gather of a flat parameter's shard,
+around the wrapped module's call; not a matmul fused with a collective that reads a weight and returns its
+product) is the stack's too: recorded, it would be kept, and pin the gathered parameters until backward; the
 views of its gather buffer that FSDP1 takes around it, with autograd tracking nothing, a replay may skip (NOTE
 [Views a replay may skip] in policy.py). A collective in a forward (Megatron's sequence-parallel all-gather of
 activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's and kept like every collective
@@ -110,12 +111,12 @@ class HookOps:
         self.activations: set[int] = set()
         self.derives = False
 
-    def owns(self, args: tuple, collective: bool, alias: bool = False) -> bool:
+    def owns(self, args: tuple, collective: bool, alias: bool = False, fills: bool = False) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
         returns a view of its input and computes nothing, so a view of a parameter or of a parameter's view is
-        on no tape) is a stack's, not the layer's. Call it from a
-        dispatch mode's ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where it
-        answers ``True``."""
+        on no tape; ``fills``: a collective that writes into buffers it is given, as a parameter all-gather
+        does) is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` through one
+        method, and :meth:`ran` with the op's output where it answers ``True``."""
         if alias and args and isinstance(args[0], torch.Tensor) and _views_a_parameter(args[0]):
             self.derives = False
             return True  # a view of a parameter computes nothing: on no tape (FSDP1's, of its flat parameter)
@@ -139,7 +140,7 @@ class HookOps:
                 if not walked:
                     return False
                 if (code, frame.f_lineno) in _FORWARD_LINES:
-                    if not (collective and _reads_parameters(frame, args)):
+                    if not (fills and _reads_parameters(frame, args)):
                         return False
                     self.stacks.add(_package(walked))  # a wrapper's forward gathering its parameters (FSDP1)
                     self.derives = False

@@ -609,7 +609,9 @@ class _EagerMode(TorchDispatchMode):
     def _stack_op(self, func: Any, args: tuple, kwargs: dict, kind: int) -> tuple[bool, Any]:
         """``(True, output)`` where the op is a sharding stack's parameter lifecycle, which runs as it is and
         neither mode sees; ``(False, None)`` where it is the layer's."""
-        if not self.hook_ops.owns(args, kind == _COLLECTIVE, getattr(func, "is_view", False)):  # a HOP: no is_view
+        collective = kind == _COLLECTIVE
+        fills = collective and getattr(getattr(func, "_schema", None), "name", "").endswith("_")  # c10d's allgather_
+        if not self.hook_ops.owns(args, collective, getattr(func, "is_view", False), fills):  # a HOP: no is_view
             return False, None
         out = func(*args, **kwargs)
         self.hook_ops.ran(out)
