@@ -111,15 +111,18 @@ class HookOps:
         self.activations: set[int] = set()
         self.derives = False
 
-    def owns(self, args: tuple, collective: bool, alias: bool = False, fills: bool = False) -> bool:
+    def owns(self, args: tuple, collective: bool, alias: bool = False, op: object = None) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
         returns a view of its input and computes nothing, so a view of a parameter or of a parameter's view is
-        on no tape; ``fills``: a collective that writes into buffers it is given, as a parameter all-gather
-        does) is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` through one
-        method, and :meth:`ran` with the op's output where it answers ``True``."""
-        if alias and args and isinstance(args[0], torch.Tensor) and _views_a_parameter(args[0]):
-            self.derives = False
-            return True  # a view of a parameter computes nothing: on no tape (FSDP1's, of its flat parameter)
+        on no tape; ``op``: the op, whose name tells a collective that writes into buffers it is given, as a
+        parameter all-gather does) is a stack's, not the layer's. Call it from a dispatch mode's
+        ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where it answers
+        ``True``."""
+        if alias:  # an aten view: its first argument is the tensor it views
+            viewed = args[0] if args[0]._base is None else args[0]._base
+            if isinstance(viewed, nn.Parameter):
+                self.derives = False
+                return True  # a view of a parameter computes nothing: on no tape (FSDP1's, of its flat parameter)
         if torch.is_grad_enabled() and any(
             isinstance(arg, torch.Tensor) and arg.requires_grad and not (alias and arg.is_leaf) for arg in args
         ):
@@ -140,7 +143,7 @@ class HookOps:
                 if not walked:
                     return False
                 if (code, frame.f_lineno) in _FORWARD_LINES:
-                    if not (fills and _reads_parameters(frame, args)):
+                    if not (collective and _fills(op) and _reads_parameters(frame, args)):
                         return False
                     self.stacks.add(_package(walked))  # a wrapper's forward gathering its parameters (FSDP1)
                     self.derives = False
@@ -192,10 +195,10 @@ def region_entry(function: Callable[..., object]) -> Callable[..., object]:
     return function
 
 
-def _views_a_parameter(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a parameter or a view of one (an FSDP1 parameter is a view of its unit's flat
-    parameter)."""
-    return isinstance(tensor if tensor._base is None else tensor._base, nn.Parameter)
+def _fills(op: object) -> bool:
+    """Whether the collective ``op`` writes into buffers it is given (its name ends in ``_``, as c10d's
+    ``allgather_``), rather than returning what it computed (a matmul fused with an all-to-all)."""
+    return getattr(getattr(op, "_schema", None), "name", "").endswith("_")
 
 
 def _reads_parameters(call: types.FrameType, args: tuple) -> bool:

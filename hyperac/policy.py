@@ -483,11 +483,6 @@ class _Kept:
         return leaves[0] if self.spec is None else tree_unflatten(leaves, self.spec)
 
 
-def _tracks(args: tuple) -> bool:
-    """Whether autograd tracks a tensor among an op's positional arguments."""
-    return any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)
-
-
 def _shapes(args: tuple) -> tuple:
     """The shapes of the tensors among an op's positional arguments."""
     return tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor))
@@ -609,9 +604,8 @@ class _EagerMode(TorchDispatchMode):
     def _stack_op(self, func: Any, args: tuple, kwargs: dict, kind: int) -> tuple[bool, Any]:
         """``(True, output)`` where the op is a sharding stack's parameter lifecycle, which runs as it is and
         neither mode sees; ``(False, None)`` where it is the layer's."""
-        collective = kind == _COLLECTIVE
-        fills = collective and getattr(getattr(func, "_schema", None), "name", "").endswith("_")  # c10d's allgather_
-        if not self.hook_ops.owns(args, collective, getattr(func, "is_view", False), fills):  # a HOP: no is_view
+        alias = getattr(func, "is_view", False)  # a higher-order op has no is_view
+        if not self.hook_ops.owns(args, kind == _COLLECTIVE, alias, func):
             return False, None
         out = func(*args, **kwargs)
         self.hook_ops.ran(out)
@@ -737,7 +731,7 @@ class _RecordingMode(_EagerMode):
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
         self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE, func)
                                  if keeps else None)
-        if not keeps and getattr(func, "is_view", False) and not _tracks(args):  # NOTE [Views a replay may skip]
+        if not keeps and getattr(func, "is_view", False) and not args[0].requires_grad:  # NOTE [Views a replay ...]
             self.tape.views.add(len(self.tape.entries) - 1)
         if kind >= _ROUTE or keyed:  # routes, collectives and higher-order ops are never pruned
             self.never_pruned.add(len(self.tape.entries) - 1)
