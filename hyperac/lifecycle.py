@@ -120,7 +120,7 @@ class HookOps:
         ``True``."""
         if alias:  # an aten view: its first argument is the tensor it views
             viewed = args[0] if args[0]._base is None else args[0]._base
-            if isinstance(viewed, nn.Parameter):
+            if issubclass(type(viewed), nn.Parameter):  # not isinstance: Parameter's metaclass asks in Python
                 self.derives = False
                 return True  # a view of a parameter computes nothing: on no tape (FSDP1's, of its flat parameter)
         if torch.is_grad_enabled() and any(
