@@ -44,9 +44,11 @@ from .errors import ConfigError, UnsupportedModelError
 __all__ = ["Layer", "discover_layers"]
 
 _CONTAINER_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-# Attributes under which recompute wrappers (torch's CheckpointWrapper, FSDP1, HF/accelerate) keep
-# the wrapped module.
+# Attributes under which wrappers (torch's CheckpointWrapper, FSDP1, HF/accelerate) keep the wrapped module.
 _WRAPPED_ATTRIBUTES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_wrapped_module")
+_SHARDING_ATTRIBUTE = "_fsdp_wrapped_module"
+"""FSDP1's: it shards the module and leaves its activations alone, so hyperac recomputes the module inside it,
+as inside FSDP2's ``fully_shard`` (docs/stacks/fsdp2-ddp.md)."""
 
 
 FOUND_BY = ("declared class", "HF marker", "structure", "user path")
@@ -72,7 +74,8 @@ class Layer:
     module: nn.Module
     """The block itself (seen through any wrapper)."""
     wrapper: nn.Module | None
-    """An activation-recompute wrapper around the block, if it already has one."""
+    """An activation-recompute wrapper around the block, if it already has one (FSDP1's, which shards it, is
+    none)."""
     found_by: str = "user path"
     """Which rule found it: one of :data:`FOUND_BY`."""
     reversible: bool = False
@@ -80,12 +83,13 @@ class Layer:
 
 
 def _unwrap(module: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-    outer = module
+    """The block inside any wrappers, and the outermost wrapper that recomputes it (``None`` where none does:
+    no wrapper, or only FSDP1's)."""
     for attribute in _WRAPPED_ATTRIBUTES:
         inner = getattr(module, "_modules", {}).get(attribute)
         if inner is not None:
-            inner, _ = _unwrap(inner)
-            return inner, outer
+            inner, wrapper = _unwrap(inner)
+            return inner, wrapper if attribute == _SHARDING_ATTRIBUTE else module
     return module, None
 
 

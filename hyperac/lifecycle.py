@@ -25,8 +25,18 @@ inside a forward. A view a hook takes of a leaf is not, with autograd on or off:
 again in the replay wherever the hook runs again, and a hook may take it in the forward only (torch's
 ``ModuleTracker``, which ``FlopCounterMode`` runs, registers a multi-grad hook on a module's inputs in forward
 and not in backward, and finds a leaf input's gradient accumulator through ``view_as``, which shifted the tape
-by one op). A collective in a forward (Megatron's sequence-parallel all-gather of activations,
-``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's and kept like every collective
+by one op). Nor is any view of a parameter or of a view of one, whoever takes it: FSDP1
+(``FullyShardedDataParallel``) takes ``flat_param.expand_as(flat_param)`` for its gradient hook in its wrapper's
+own ``forward`` (no hook), in the first forward only, and builds a unit's parameters as views of its flat
+parameter where it gathers them, which a replay may find gathered already. A layer given a parameter's view
+(DETR's query position embeddings) gets the same view in its replay (NOTE [Inputs written in place] in
+recompute.py), so its views of it are on neither tape. A collective that a wrapper's ``forward`` runs on the
+storage of its module's parameters into buffers it is given (FSDP1's all-gather of a flat parameter's shard,
+around the wrapped module's call; not a matmul fused with a collective that reads a weight and returns its
+product) is the stack's too: recorded, it would be kept, and pin the gathered parameters until backward; the
+views of its gather buffer that FSDP1 takes around it, with autograd tracking nothing, a replay may skip (NOTE
+[Views a replay may skip] in policy.py). A collective in a forward (Megatron's sequence-parallel all-gather of
+activations, ``c10d::_allgather_base_`` inside an ``autograd.Function``) is the layer's and kept like every collective
 (NOTE [Collectives by their schema] in op_identity.py), and so is one a hook runs on the module's inputs or
 output (a tensor-parallel plan's hooks redistributing activations, ``DTensor.redistribute`` with autograd
 off); the same op run by a ZeRO-3 pre-hook on parameter shards, which are neither, is not seen. What a hook
@@ -34,7 +44,10 @@ derives from the module's inputs and output (a chunked, concatenated copy to red
 
 The hook is found on the Python stack: the innermost ``nn.Module.__call__`` frame (``_call_impl``, or the
 ``inner`` function it runs when hooks are registered) tells by its current line whether it is calling the
-module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. Ops with an argument autograd
+module's ``forward`` or a hook, unless a ``__getattr__`` frame comes first. The look stops where the region's
+forward is called (:func:`region_entry`): above it, the forward has the layer's own ``nn.Module.__call__`` and
+the replay the backward's frames, and an op directly in the layer's ``forward`` (a matmul fused with an
+all-reduce that reads the layer's weight) would be told apart in the two. Ops with an argument autograd
 tracks (most of a layer's, on its activations and parameters) are the layer's without the look, views of a
 leaf input excepted; the others pay for a few frames up (under a microsecond). The package whose code the hook
 runs names the stack in the error of a replay that still diverges (:func:`stacks_note`): a hook's op on
@@ -49,14 +62,14 @@ from __future__ import annotations
 import dis
 import sys
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["HookOps", "stacks_note"]
+__all__ = ["HookOps", "region_entry", "stacks_note"]
 
 
 def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.CodeType, int]]]:
@@ -74,6 +87,8 @@ def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.Cod
 
 
 _CALL_CODES, _FORWARD_LINES = _call_frames()
+_REGION_CODES: set[types.CodeType] = set()
+"""The code that calls a region's forward, in forward and in each replay (:func:`region_entry`)."""
 _GETATTR = nn.Module.__getattr__.__code__
 _WRAPPERS = ("torch._", "torch.utils.", "torch.compiler", "contextlib", "functools")
 """Modules of the decorators a hook may be wrapped in (``torch.no_grad()``, ``torch.compiler.disable``):
@@ -96,20 +111,28 @@ class HookOps:
         self.activations: set[int] = set()
         self.derives = False
 
-    def owns(self, args: tuple, collective: bool, alias: bool = False) -> bool:
+    def owns(self, args: tuple, collective: bool, alias: bool = False, op: object = None) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
-        returns a view of its input and computes nothing, so a view of a leaf other than a parameter is
-        looked up too) is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__``
-        through one method, and :meth:`ran` with the op's output where it answers ``True``."""
+        returns a view of its input and computes nothing, so a view of a parameter or of a parameter's view is
+        on no tape; ``op``: the op, whose name tells a collective that writes into buffers it is given, as a
+        parameter all-gather does) is a stack's, not the layer's. Call it from a dispatch mode's
+        ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where it answers
+        ``True``."""
+        if alias:  # an aten view: its first argument is the tensor it views
+            viewed = args[0] if args[0]._base is None else args[0]._base
+            if issubclass(type(viewed), nn.Parameter):  # not isinstance: Parameter's metaclass asks in Python
+                self.derives = False
+                return True  # a view of a parameter computes nothing: on no tape (FSDP1's, of its flat parameter)
         if torch.is_grad_enabled() and any(
-            isinstance(arg, torch.Tensor) and arg.requires_grad
-            and not (alias and arg.is_leaf and not isinstance(arg, nn.Parameter)) for arg in args
+            isinstance(arg, torch.Tensor) and arg.requires_grad and not (alias and arg.is_leaf) for arg in args
         ):
             return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
         frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
         walked: list[types.FrameType] = []
         while frame is not None:
             code = frame.f_code
+            if code in _REGION_CODES:
+                return False  # what runs the region differs between its forward and its replay: not looked at
             if code is _GETATTR:
                 if not walked:
                     return False
@@ -117,8 +140,14 @@ class HookOps:
                 self.derives = False
                 return True
             if code in _CALL_CODES:
-                if not walked or (code, frame.f_lineno) in _FORWARD_LINES:
+                if not walked:
                     return False
+                if (code, frame.f_lineno) in _FORWARD_LINES:
+                    if not (collective and _fills(op) and _reads_parameters(frame, args)):
+                        return False
+                    self.stacks.add(_package(walked))  # a wrapper's forward gathering its parameters (FSDP1)
+                    self.derives = False
+                    return True
                 reads_activations = any(storage in self._activations_of(frame) for storage in _storages(args))
                 if collective and reads_activations:
                     return False
@@ -156,6 +185,31 @@ def _storages(value: object) -> Iterator[int]:
             yield from _storages([getattr(leaf, name) for name in names])
         else:
             yield leaf.untyped_storage()._cdata
+
+
+def region_entry(function: Callable[..., object]) -> Callable[..., object]:
+    """Mark ``function`` as what calls a recompute region's forward: :class:`HookOps` looks up the stack no further.
+    Above it the forward has the layer's own ``nn.Module.__call__`` and its caller, the replay the backward's
+    frames: a module found there would tell the forward's op from the replay's."""
+    _REGION_CODES.add(function.__code__)
+    return function
+
+
+def _fills(op: object) -> bool:
+    """Whether the collective ``op`` writes into buffers it is given (its name ends in ``_``, as c10d's
+    ``allgather_``), rather than returning what it computed (a matmul fused with an all-to-all)."""
+    return getattr(getattr(op, "_schema", None), "name", "").endswith("_")
+
+
+def _reads_parameters(call: types.FrameType, args: tuple) -> bool:
+    """Whether a collective called with ``args`` reads or writes the storage of a parameter of the module
+    whose ``forward`` ``nn.Module.__call__``'s frame ``call`` is running (its sub-modules' included): FSDP1
+    all-gathering a flat parameter's shard in its wrapper's forward."""
+    module = call.f_locals.get("self")
+    if not isinstance(module, nn.Module):
+        return False
+    touched = set(_storages(args))
+    return any(parameter.untyped_storage()._cdata in touched for parameter in module.parameters())
 
 
 def _package(walked: list[types.FrameType]) -> str:

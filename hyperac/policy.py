@@ -18,8 +18,9 @@ the rest:
   [Collectives by their schema] in op_identity.py);
 * what decides a data-dependent route (an MoE router's ``topk``, ``sort``, ``argmax``, ``nonzero``,
   ``bincount``, ``histc``, ``.item()``) is kept in every mode and never run again, so the replay routes
-  as its forward did (NOTE [Routing is kept] in replay/routing.py); a router that writes into its ``topk``
-  output in place is given the value ``topk`` returned (NOTE [Writes into kept outputs]);
+  as its forward did (NOTE [Routing is kept] in replay/routing.py), also in a compiled layer's graph; a
+  router that writes into its ``topk`` output in place is given the value ``topk`` returned (NOTE
+  [Writes into kept outputs]);
 * higher-order ops (flex attention, a compiled region called from an eager layer, control flow, a
   user's own) reach the recording and replay modes as one op each, with a rule per op: flex attention
   is attention, compiled regions are kept, control flow is replayed, an unknown one is kept (NOTE
@@ -38,7 +39,8 @@ replays writes into kept outputs once (NOTE [Writes into kept outputs], NOTE [Re
 use the tape]); and it costs less per op. ``compile=True`` runs the same policy in PyTorch's modes,
 which the compiler understands (NOTE [Selective recompute under torch.compile]). Private torch
 internals used: ``_detach_helper``, ``SAC_IGNORED_OPS``, ``_sac_storage_key`` (for compiled regions
-inside an eager region).
+inside an eager region), ``torch._C._get_dispatch_mode`` (whether AOTAutograd traces a compiled region, as
+``torch.utils.checkpoint`` itself asks).
 """
 
 from __future__ import annotations
@@ -394,12 +396,13 @@ class SelectivePolicy:
         return kind >= _KEEP
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        """The decision for ``op`` in PyTorch's policy-function form. Routes are recomputed here: a region
-        the compiler splits at a graph break runs PyTorch's eager selective checkpoint, which refuses a
-        router's in-place write into a cached ``topk`` output (NOTE [Routing is kept] in replay/routing.py)."""
+        """The decision for ``op`` in PyTorch's policy-function form. Routes are saved where the compiler traces
+        the region (a router's in-place write into ``topk``'s output is functionalized in the graph) and
+        recomputed in a region it ran eagerly at a graph break, whose PyTorch selective checkpoint refuses that
+        write into a cached output (NOTE [Routing is kept] in replay/routing.py)."""
         kind = self.ops.classify(op)[0]
         if kind == _ROUTE:
-            return CheckpointPolicy.MUST_RECOMPUTE
+            return _route_policy()
         if self.keeps(kind, op, args):
             return self.kept
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -424,10 +427,11 @@ class _Kept:
     the aliases of their storages whose version counters are their own
     (NOTE [Aliases with their own version counter])."""
 
-    __slots__ = ("aliases", "lasting", "leaves", "rng", "shapes", "spec", "versions", "written")
+    __slots__ = ("aliases", "filled", "lasting", "leaves", "rng", "shapes", "spec", "versions", "written")
 
     def __init__(self, leaves: list[Any], spec: Any, rng: GeneratorStates | None,
-                 written: dict[int, int] | None = None, shapes: tuple = (), lasting: bool = False) -> None:
+                 written: dict[int, int] | None = None, shapes: tuple = (), lasting: bool = False,
+                 filled: list[tuple[int, torch.Tensor]] | None = None) -> None:
         self.leaves = leaves
         self.shapes = shapes
         """The shapes of the op's tensor arguments in forward, which the replay's must equal
@@ -438,6 +442,9 @@ class _Kept:
         self.written = written or {}
         """Output leaf position -> position among the op's argument leaves of the tensor it is (a
         collective that writes into its arguments; NOTE [Collectives that write into their arguments])."""
+        self.filled = filled or []
+        """``(argument leaf position, copy)`` per tensor a collective wrote into and did not return
+        (``all_to_all_single``'s output; NOTE [Collectives that write into their arguments])."""
         self.spec = spec
         self.versions = [leaf._version if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         self.rng = rng
@@ -461,6 +468,10 @@ class _Kept:
         """The kept output; an op that wrote into its ``arguments`` (the replay's) writes the kept
         values into them and returns them, as it did in forward."""
         leaves = self.leaves
+        for index, copy in self.filled:
+            target = tree_leaves(arguments)[index]
+            with torch.autograd._unsafe_preserve_version_counter(target):  # as the collective's write
+                target.copy_(copy)
         if self.written:
             flat, leaves = tree_leaves(arguments), list(leaves)
             for position, index in self.written.items():
@@ -475,6 +486,14 @@ class _Kept:
 def _shapes(args: tuple) -> tuple:
     """The shapes of the tensors among an op's positional arguments."""
     return tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor))
+
+
+def _fills_first_argument(op: Any) -> bool:
+    """A collective that writes into its first argument and returns none of it, only its ``Work``
+    (``c10d::alltoall_base_``, which ``all_to_all_single`` runs; ``recv_``)."""
+    schema = getattr(op, "_schema", None)
+    return (schema is not None and schema.name.endswith("_")
+            and not any("Tensor" in str(value.type) for value in schema.returns))
 
 
 def _written_arguments(leaves: list[Any], arguments: Any) -> dict[int, int]:
@@ -501,7 +520,9 @@ def _written_arguments(leaves: list[Any], arguments: Any) -> dict[int, int]:
 # holds a copy of each output that is one of its arguments (the argument may be a buffer reused by
 # the next layer: Megatron's sequence-parallel all-gather writes into one global buffer), and its
 # replay writes that copy into the replay's argument and returns the argument, as the forward did
-# (the version counter left as it was: a collective's write does not bump it). The copy costs the
+# (the version counter left as it was: a collective's write does not bump it). One that returns only its
+# ``Work`` (``all_to_all_single``'s ``alltoall_base_``, an expert-parallel layer's token exchange; ``recv_``)
+# writes into its first argument: that is kept as a copy and written back alike. The copy costs the
 # collective's output bytes, what keeping its output costs anyway. The op returns before the
 # collective is done (gloo runs it on a thread of its own, NCCL and HCCL on a stream of their own,
 # until ``work.wait()``), so the copy waits for it first: an asynchronous collective in a selective
@@ -513,7 +534,7 @@ class _Tape:
     (replay runs it), a :class:`_Kept` (replay returns it) or ``_CONSUMED`` (an earlier replay
     returned it; a later one runs the op again)."""
 
-    __slots__ = ("entries", "index", "keys", "layer", "stacks")
+    __slots__ = ("entries", "index", "keys", "layer", "stacks", "views")
 
     def __init__(self, layer: str, index: int | None) -> None:
         self.keys: list[Any] = []
@@ -522,6 +543,9 @@ class _Tape:
         self.stacks: set[str] = set()
         """The packages whose module hooks ran parameter lifecycle ops in the region (NOTE [Parameter
         lifecycles are not the layer's program] in lifecycle.py)."""
+        self.views: set[int] = set()
+        """Positions of views of untracked tensors that keep nothing, which a replay may skip (NOTE [Views a
+        replay may skip])."""
 
 
 def _mismatch(tape: _Tape, index: int, ran: Any) -> RecomputeMismatchError:
@@ -580,7 +604,8 @@ class _EagerMode(TorchDispatchMode):
     def _stack_op(self, func: Any, args: tuple, kwargs: dict, kind: int) -> tuple[bool, Any]:
         """``(True, output)`` where the op is a sharding stack's parameter lifecycle, which runs as it is and
         neither mode sees; ``(False, None)`` where it is the layer's."""
-        if not self.hook_ops.owns(args, kind == _COLLECTIVE, getattr(func, "is_view", False)):  # a HOP: no is_view
+        alias = getattr(func, "is_view", False)  # a higher-order op has no is_view
+        if not self.hook_ops.owns(args, kind == _COLLECTIVE, alias, func):
             return False, None
         out = func(*args, **kwargs)
         self.hook_ops.ran(out)
@@ -704,16 +729,20 @@ class _RecordingMode(_EagerMode):
             keeps = not higher_order.wrote(versions)
         # a collective keeps its arguments, for what it wrote (NOTE [Collectives that write into their arguments])
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
-        self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE)
+        self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE, func)
                                  if keeps else None)
+        if not keeps and getattr(func, "is_view", False) and not args[0].requires_grad:  # NOTE [Views a replay ...]
+            self.tape.views.add(len(self.tape.entries) - 1)
         if kind >= _ROUTE or keyed:  # routes, collectives and higher-order ops are never pruned
             self.never_pruned.add(len(self.tape.entries) - 1)
         return out
 
-    def _keep(self, out: Any, rng: GeneratorStates | None, arguments: Any, args: tuple, lasting: bool) -> _Kept:
+    def _keep(self, out: Any, rng: GeneratorStates | None, arguments: Any, args: tuple, lasting: bool,
+              func: Any = None) -> _Kept:
         leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         written = {} if arguments is None else _written_arguments(leaves, arguments)
-        if written:  # wait for the write (NOTE [Collectives that write into their arguments])
+        fills = arguments is not None and not written and _fills_first_argument(func)
+        if written or fills:  # wait for the write (NOTE [Collectives that write into their arguments])
             for leaf in leaves:
                 if isinstance(leaf, torch.ScriptObject) and hasattr(leaf, "wait"):
                     leaf.wait()
@@ -724,7 +753,9 @@ class _RecordingMode(_EagerMode):
                 if self.on_save is not None:
                     self.on_save(leaf)
                 leaves[position] = torch_recompute._detach_helper(leaf)
-        kept = _Kept(leaves, spec, rng, written, _shapes(args), lasting)
+        filled = [(index, leaf.detach().clone()) for index, leaf in enumerate(tree_leaves(args[0]))
+                  if isinstance(leaf, torch.Tensor)] if fills else None
+        kept = _Kept(leaves, spec, rng, written, _shapes(args), lasting, filled)
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 self.kept_storages.setdefault(leaf.untyped_storage()._cdata, []).append((kept, position))
@@ -890,13 +921,30 @@ class _ReplayMode(_EagerMode):
         cast of a leaf (asked about whether or not the forward ran one here) is run without a tape
         entry, and the forward's casts that the replay does not run are skipped: either side may have
         served it from autocast's cache (NOTE [Autocast casts served from the cache] in
-        replay/replay_check.py). Anything else is a divergence.
+        replay/replay_check.py). Views of untracked tensors the forward took and the replay does not are
+        skipped (NOTE [Views a replay may skip]). Anything else is a divergence.
+
+        NOTE [Views a replay may skip]
+        FSDP1 gathers a unit's flat parameter in its wrapper's own ``forward``: it splits its gather buffer
+        into one view per rank, all-gathers into them (a collective on a parameter's storage: the stack's, NOTE
+        [Parameter lifecycles are not the layer's program] in lifecycle.py) and takes the flat parameter as a
+        view of the buffer, all with autograd tracking nothing; in backward it has gathered the unit before
+        the layer's replay reaches it (its backward prefetch), and the replay runs none of these. Nothing
+        tells these views from a layer's own view of an untracked tensor but that the replay does not run
+        them, and a view computes nothing: so a forward's view of untracked tensors that keeps nothing is
+        skipped where the replay runs another op. What else the replay runs is checked as before.
         """
         if cast_of_a_leaf(func, args, kwargs):
             return None
         tape, start = self.tape, self.cursor
         if start < len(tape.keys) and tape.keys[start] is key:
             return start
+        if start in tape.views:  # NOTE [Views a replay may skip]
+            for position in range(start, len(tape.keys)):
+                if tape.keys[position] is key or tape.keys[position] == key:
+                    return position
+                if position not in tape.views:
+                    break
         if start < len(tape.keys) and (_creates_constant(tape.keys[start]) or cast_of_a_leaf(tape.keys[start], ())):
             for position in range(start, len(tape.keys)):
                 if tape.keys[position] is key or tape.keys[position] == key:
@@ -961,6 +1009,19 @@ def selective_contexts(
     )
 
 
+def _route_policy() -> CheckpointPolicy:
+    """A route's decision under ``compile=True``: saved where AOTAutograd traces the region (its proxy mode is on),
+    recomputed where the region runs eagerly at a graph break (NOTE [Routing is kept] in replay/routing.py)."""
+    traced = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    return CheckpointPolicy.MUST_SAVE if traced else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _routes_saved(ops: OpSets, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``compile=True`` policy of a ``full`` layer: torch's own for a checkpoint region (recompute every op),
+    but for routes (NOTE [Routing is kept] in replay/routing.py)."""
+    return _route_policy() if ops.classify(op)[0] == _ROUTE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _offload_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The ``compile=True`` policy of a ``swap`` layer: what the partitioner saves goes to host memory."""
     return CheckpointPolicy.PREFER_CPU_OFFLOAD
@@ -982,8 +1043,12 @@ def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool,
     per region invocation), and the policy is called at trace time only: nothing of it runs per
     step.
     """
-    policy = _offload_saved if mode == "swap" else SelectivePolicy(resolve_op_sets(backend_type(), save_ops), mode,
-                                                                       offload)
+    if mode == "swap":
+        policy: Callable[..., CheckpointPolicy] = _offload_saved
+    elif mode == "full":
+        policy = functools.partial(_routes_saved, resolve_op_sets(backend_type(), save_ops))
+    else:
+        policy = SelectivePolicy(resolve_op_sets(backend_type(), save_ops), mode, offload)
     contexts = torch_recompute.create_selective_checkpoint_contexts(policy)
     # PyTorch's modes have rules for a few higher-order ops only; with this, every other one (a
     # ``torch.cond`` in the layer) comes to them as one op, which the policy decides as in eager mode

@@ -51,6 +51,7 @@ from ._hf import CACHE_KWARGS
 from .backends import Backend
 from .config import KNAPSACK_MODES, SELECTIVE_MODES
 from .errors import InputWrittenError, UnsupportedModelError, warn_once
+from .lifecycle import region_entry
 from .policy import (
     OpSets,
     bypass_replay,
@@ -213,13 +214,14 @@ def build_context_fn(
     layer: str = "?",
     index: int | None = None,
 ) -> RecomputeContext | None:
-    """The context of regions of ``mode``, or ``None`` for PyTorch's default (a compiled ``full`` region).
+    """The context of regions of ``mode``, or ``None`` for PyTorch's default (a compiled ``swap`` region that
+    does not offload).
 
     ``layer`` and ``index`` (fqn and flat index of the layer the region belongs to) name it in errors.
     Under ``compile``, ``swap_outputs`` offloads what the layer keeps (``mode="swap"``: everything it
     saves; NOTE [Swap under torch.compile] in compiled.py).
     """
-    if compile and mode not in SELECTIVE_MODES and not (mode == "swap" and swap_outputs):
+    if compile and mode not in (*SELECTIVE_MODES, "full") and not (mode == "swap" and swap_outputs):
         return None
     return RecomputeContext(
         mode, backend, ops, compile=compile, has_exclusions=has_exclusions, swap_outputs=swap_outputs,
@@ -327,7 +329,10 @@ class _CacheAsBefore:
 # shared) and the region lets go of them after the forward, so swap can free or move them: there,
 # only writes during the forward are caught, and a caller's later write meets torch's check.
 # Checked only where the region runs eagerly (under torch.compile a traced region is the
-# compiler's); tensor subclasses (DTensor) are passed on as they are.
+# compiler's); tensor subclasses (DTensor) are passed on as they are, and so is a view of a parameter
+# (DETR's query position embeddings): the selective modes leave views of parameters off their tape
+# (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py), so the replay must get
+# one as its forward did; a caller's later write into it meets torch's check.
 
 def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     for position, value in enumerate(args):
@@ -346,9 +351,10 @@ def _leaves(value: Any) -> Any:
 
 
 def _with_own_counters(args: tuple) -> tuple:
-    """``args`` with each plain tensor replaced by an alias (the same storage, no copy) with a version
-    counter of its own (NOTE [Inputs written in place])."""
-    return tuple(torch.ops.aten._unsafe_view(a, a.shape) if type(a) is torch.Tensor else a for a in args)
+    """``args`` with each plain tensor but a parameter's view replaced by an alias (the same storage, no copy)
+    with a version counter of its own (NOTE [Inputs written in place])."""
+    return tuple(torch.ops.aten._unsafe_view(a, a.shape)
+                 if type(a) is torch.Tensor and not isinstance(a._base, nn.Parameter) else a for a in args)
 
 
 class _Region:
@@ -400,6 +406,7 @@ class _Region:
                     "or write into a copy (x = x.clone()) instead."
                 )
 
+    @region_entry  # where lifecycle.HookOps stops looking up the stack
     def __call__(self, *args: Any) -> Any:
         if not self.caches and not self.watched:  # traced: NOTE [Python side effects in a compiled region]
             return side_effects_once(self.call, *args, **self.kwargs)

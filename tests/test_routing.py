@@ -12,11 +12,22 @@ shows the same setup flipping tokens when routing is recomputed.
 
 from __future__ import annotations
 
+import copy
 import types
+from typing import Any
 
 import pytest
 import torch
-from hyperac_testing import Stack, assert_parity, lm_loss, tiny_mixtral, tiny_qwen2, tiny_qwen3_moe, train_step
+from hyperac_testing import (
+    BiasedMlp,
+    Stack,
+    assert_parity,
+    lm_loss,
+    tiny_mixtral,
+    tiny_qwen2,
+    tiny_qwen3_moe,
+    train_step,
+)
 from torch import nn
 from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -351,3 +362,107 @@ def test_every_routing_op_decides_as_in_the_forward(route, mode):
     for forward, replayed in DECISIONS.values():
         assert type(forward) is type(replayed)
         assert torch.equal(forward, replayed) if isinstance(forward, torch.Tensor) else forward == replayed
+
+
+STATISTICS: list[int] = []
+"""What ``_weight_statistic`` read from the weights, per call (module level, as ``PICKS``)."""
+
+
+def _weight_statistic(module: nn.Module, args: tuple) -> None:
+    """A stack's parameter pre-hook reading a statistic of the weight to the host: ``argmax`` and ``.item()``,
+    routing ops that are no route of the layer."""
+    with torch.no_grad():
+        STATISTICS.append(module.weight.abs().argmax().item())
+
+
+def test_routing_ops_a_parameter_hook_runs_are_no_routes():
+    """``full``'s routing watch leaves out the routing ops a sharding stack's parameter hook runs, as the selective
+    recording does: the layer keeps no routes (it runs under no dispatch mode from its second step on, and the
+    planner counts no route bytes), and stays bitwise exact."""
+    x = torch.randn(16, 32, requires_grad=True)
+    reference = train_step(Stack(BiasedMlp), lambda model: model(x).sum())
+    model = Stack(BiasedMlp)
+    for block in model.blocks:
+        block.up.register_forward_pre_hook(_weight_statistic)
+    model.blocks[0].gate.register_forward_pre_hook(_modes_inside)
+    estimate = hyperac.estimate(model, lambda model: model(x).sum(), backend="cpu", layers="blocks")
+    assert [layer.route_bytes for layer in estimate.layers] == [0, 0]
+    hyperac.apply(model, mode="full", backend="cpu", layers="blocks")
+    for _ in range(2):
+        MODES_SEEN.clear()
+        assert_parity(reference, train_step(model, lambda model: model(x).sum()))
+    assert MODES_SEEN == [0, 0]  # a layer found routing would run its forward and replay under the routes' mode
+    assert len(set(STATISTICS)) == 2  # the hooks ran, in the forward and in the replay
+
+
+@torch.library.custom_op("hyperac_test::router_noise", mutates_args=())
+def _router_noise(logits: torch.Tensor) -> torch.Tensor:
+    """Noise on router logits from ``NOISE``, as one op the compiler traces (a generator argument would break the
+    graph) and the backward graph runs again where it recomputes the route: other noise there."""
+    return 0.5 * torch.randn(logits.shape, generator=NOISE, dtype=logits.dtype)
+
+
+@_router_noise.register_fake
+def _(logits: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(logits)
+
+
+class _CompiledRouter(nn.Module):
+    """Picks two of four columns per token with ``topk`` of noisy scores, renormalizing the picked scores in place
+    (Mixtral's ``router_top_value /= ...``), and mixes them into its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.router, self.up = nn.LayerNorm(16), nn.Linear(16, 4), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        logits = self.router(h)
+        value, index = (logits + _router_noise(logits.detach())).softmax(-1).topk(2, dim=-1)
+        value /= value.sum(-1, keepdim=True)
+        y = self.up(h)
+        return x + y * value.sum(-1, keepdim=True) + y.gather(-1, index * 4).sum(-1, keepdim=True)
+
+
+def _keeping(graphs: dict[str, list[torch.fx.GraphModule]]) -> Any:
+    """``aot_eager`` that keeps the forward and backward graphs it compiles in ``graphs``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(phase: str) -> Any:
+        def compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+            graphs[phase].append(graph)
+            return make_boxed_func(graph.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+
+def _runs(graph: torch.fx.GraphModule, op: Any) -> int:
+    return sum(node.target is op for node in graph.graph.nodes)
+
+
+@pytest.mark.parametrize("mode", ("full", "selective", "selective-even", "pointwise"))
+def test_compiled_layers_keep_their_routes(mode):
+    """A layer compiled in one graph (``compile=True``, ``aot_eager``) saves its routes: the backward graph runs no
+    ``topk``, and under noise that the backward graph would draw anew the last layer's ``up``, which sees the
+    routes and the exact gradient from the loss, gets the un-applied model's gradients bitwise."""
+    torch._dynamo.reset()
+    x = torch.randn(64, 16)
+    base = Stack(_CompiledRouter)
+    NOISE.manual_seed(0)
+    expected = train_step(copy.deepcopy(base), lambda model: model(x).sum())
+    model = copy.deepcopy(base)
+    hyperac.apply(model, mode=mode, compile=True, backend="cpu", layers="blocks")
+    graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+    for block in model.blocks:
+        block.compile(backend=_keeping(graphs))
+    NOISE.manual_seed(0)
+    result = train_step(model, lambda model: model(x).sum())
+    torch._dynamo.reset()
+    topk = torch.ops.aten.topk.default
+    assert [_runs(graph, topk) for graph in graphs["forward"]] == [1, 1]
+    assert [_runs(graph, topk) for graph in graphs["backward"]] == [0, 0]
+    last = "blocks.1.up."
+    assert_parity((expected[0], {k: v for k, v in expected[1].items() if k.startswith(last)}),
+                  (result[0], {k: v for k, v in result[1].items() if k.startswith(last)}))

@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes as _quiet
 from torch.utils._pytree import tree_flatten
 
+from ..lifecycle import HookOps
 from ..measure import StepMode, StorageTimeline, created_storages, flop_counter, gradients, op_tensors
 from ..policy import routing_ops
 from ..swap import swap_ineligible
@@ -150,6 +151,12 @@ class _Profiler(StepMode):
         self.backward_layer: int | None = None
         self.routing = frozenset(id(op) for op in routing_ops())
         self.routes: dict[int, int] = defaultdict(int)
+        self.hook_ops = HookOps()
+
+    def _stack_route(self, args: tuple) -> bool:
+        """A routing op a sharding stack's parameter hook runs: no route (NOTE [Routing is kept] in
+        replay/routing.py)."""
+        return self.hook_ops.owns(args, False)
 
     def boundary(self, position: int, kind: str) -> None:
         if kind == "backward-start":
@@ -205,7 +212,7 @@ class _Profiler(StepMode):
             self.flops[owner] += flops
         self.ops[self.backward][owner] += 1
         inputs, outputs = op_tensors((args, kwargs)), op_tensors(out)
-        if id(func) in self.routing and owner is not None and not self.backward:
+        if id(func) in self.routing and owner is not None and not self.backward and not self._stack_route(args):
             self.routes[owner] += sum(t.nbytes for t in outputs)
         moved = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
         self.work[owner].append((flops, moved, outputs[0].dtype if outputs else None))

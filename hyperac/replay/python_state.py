@@ -311,13 +311,16 @@ class _Attributes(_Entry):
     def put(self, values: dict[str, Any]) -> None:
         """Set the attributes to ``values``, but for a name the forward has since made a sub-module,
         parameter or buffer (``self.proj = None``, built on the first call): the replay uses the one the
-        forward built, as autograd recorded it, and builds no second one."""
+        forward built, as autograd recorded it, and builds no second one; and for a parameter's view, then or
+        now (NOTE [Parameter bookkeeping is the stack's])."""
         state = self.target.__dict__
         for name in state.keys() - _MODULE_BOOKKEEPING - values.keys():
-            del state[name]
+            if not _parameter_view(state[name]):
+                del state[name]
         registered = state["_modules"].keys() | state["_parameters"].keys() | state["_buffers"].keys()
         state.update((name, value) for name, value in values.items()
-                     if name not in registered and name not in _MODULE_BOOKKEEPING)
+                     if name not in registered and name not in _MODULE_BOOKKEEPING
+                     and not _parameter_view(value) and not _parameter_view(state.get(name)))
 
 
 _LEADING = tuple(nn.Module().__dict__)
@@ -595,9 +598,21 @@ class _Contents(_Entry):
 # empty dict the snapshot saw, the module no longer fetches what the trace says it does, and the next step
 # that prefetches the parameter fails ZeRO-3's trace check ("tracing error ... expected the next 1
 # parameters in the parameter fetch queue"): ``auto`` on a ZeRO-3 engine's LoRA model, whose profiled
-# steps made the trace. Told by what the container holds, as lifecycle.py tells a stack's ops by what they
-# do, not by the stack's names. Given up: a forward or hook that appends parameters to a list of its own
+# steps made the trace. Likewise a module attribute that is a parameter or a view of one, in the snapshot
+# or when it would be put back: FSDP1 (``FullyShardedDataParallel``) sets a wrapped module's ``weight`` to a
+# plain view of its gathered flat parameter while the parameter is gathered and registers the sharded
+# parameter again when it releases it; put back to the snapshot's (no ``weight`` in ``__dict__``), a replay
+# that starts with the parameter gathered deletes the view, and the module has no ``weight``. Told by what
+# the container or attribute holds, as lifecycle.py tells a stack's ops by what they do, not by the stack's
+# names. Given up: a forward or hook that appends parameters to a list of its own
 # appends them again in each replay.
+
+
+def _parameter_view(value: Any) -> bool:
+    """Whether ``value`` is a parameter or a view of one: what FSDP1 sets as a module's attribute while it
+    holds the parameter gathered (NOTE [Parameter bookkeeping is the stack's])."""
+    return isinstance(value, nn.Parameter) or (
+        isinstance(value, torch.Tensor) and isinstance(value._base, nn.Parameter))
 
 
 def _holds_parameters(contents: Any) -> bool:

@@ -21,7 +21,10 @@ no route and is recomputed.
   [Writes into kept outputs] in policy.py).
 * ``full`` keeps only the layer input, and on a layer that routes, its routes: a dispatch mode
   (:class:`_KeptRoutes`) watches the region's forward for routing ops and keeps a copy of each output;
-  the replay's routing ops return them in order. Only a layer that ran such an op pays for it: the
+  the replay's routing ops return them in order. A routing op a sharding stack's parameter hook runs
+  (``.item()`` of a parameter's statistic, ``nonzero`` over which shards to gather) is the stack's, not a
+  route, as in the selective modes' recording (NOTE [Parameter lifecycles are not the layer's program] in
+  lifecycle.py), and in the planner's count of route bytes. Only a layer that ran such an op pays for it: the
   layer's first forward in training finds out, and a layer that routed nothing runs without the mode
   from then on (a layer that routes only on some calls must route on its first). A replay whose
   routing op differs from the forward's, or whose arguments the kept output no longer fits, raises
@@ -29,13 +32,23 @@ no route and is recomputed.
 * ``off`` and ``swap`` have no replay; ``auto`` plans these modes, and its profile counts the kept
   routes in each mode's bytes (they are alive at backward like any kept output).
 
+A layer that is no router but runs such an op (``.item()`` of a norm's scalar check, ``nonzero`` of a padding
+mask) counts as one: it stays exact (its replay takes the forward's value, which is what the un-applied layer
+used) and pays for it. In ``full`` it runs its forward and replays under the watch (one dispatch per op) and
+keeps the op's output (a few bytes for a scalar), for good; in the selective modes the output is kept like a
+kept matmul's. Telling such an op from a route would take following its output to an index or a shape, per
+op; hyperac does not, as the cost is small where the output is a scalar or a mask.
+
 ``force_recompute=`` naming the router still wins: its routing ops keep nothing and are run again, and
 the guarantee is given up for it; a route that then comes out otherwise raises where a kept output no
 longer fits (NOTE [Kept outputs that no longer fit] in policy.py) or trains with the replay's route.
-Not covered: layers applied with ``compile=True``. Their regions run PyTorch's selective checkpoint,
-whose eager fallback (a region the compiler splits at a graph break, as HF's eager experts make one)
-refuses a write into a cached output, which routers make; so there routing ops are recomputed, as
-before, and a compiled ``full`` layer replays its graph, routing included.
+Layers applied with ``compile=True`` run PyTorch's selective checkpoint, ``full`` included (with
+torch's own policy for a checkpoint region, recompute every op, but for routes): where AOTAutograd traces
+the region (its proxy mode is on as the policy is asked) a routing op is ``MUST_SAVE``, and the
+partitioner saves it, a router's in-place write into it functionalized in the graph; the backward graph
+runs no ``topk``. Where the compiler splits the region at a graph break (HF's eager experts make one), the
+part it runs eagerly recomputes its routes: PyTorch's eager selective checkpoint refuses a write into a
+cached output, which routers make.
 """
 
 from __future__ import annotations
@@ -45,7 +58,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..policy import OpSets, _EagerMode, _shapes, bypass_replay, unfit
+from ..policy import _ROUTE, OpSets, _EagerMode, _shapes, bypass_replay, unfit
 from .replay_check import divergence
 
 __all__ = ["RoutesSeen", "routes_in_full"]
@@ -86,8 +99,11 @@ class _KeptRoutes(_EagerMode):
         self.routes, self.routing, self.seen = routes, routing, seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if id(func) in self.routing and not bypass_replay.get() and torch._C._current_graph_task_id() == self.task:
+        if id(func) not in self.routing or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
+            return func(*args, **(kwargs or {}))
+        stack_op, out = self._stack_op(func, args, kwargs or {}, _ROUTE)
+        if not stack_op:
+            out = func(*args, **(kwargs or {}))
             self.routes.ops.append(func)
             self.routes.outputs.append(_copy(out))
             self.routes.shapes.append(_shapes(args))
@@ -115,6 +131,9 @@ class _ReplayedRoutes(_EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if id(func) not in self.routing or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **(kwargs or {}))
+        stack_op, out = self._stack_op(func, args, kwargs or {}, _ROUTE)
+        if stack_op:
+            return out
         routes, position = self.routes, self.cursor
         self.cursor += 1
         where = f"routing op {position} of {len(routes.ops)}"
