@@ -3,7 +3,8 @@
 Under ``torch.compile`` hyperac's eager machinery (recording and replay modes, swap hooks) cannot
 run inside a graph, so each mode maps to a mechanism the compiler itself honours:
 
-* ``full``: a ``torch.utils.checkpoint`` region; the backward graph replays every forward op;
+* ``full``: a ``torch.utils.checkpoint`` region; the backward graph replays every forward op but the
+  routing ops, whose outputs it saves (NOTE [Routing is kept] in replay/routing.py);
 * ``selective``, ``selective-even``, ``pointwise``: the same region with PyTorch's selective
   checkpoint contexts around hyperac's counting policy: its decisions become the ``recompute`` tags
   of the op nodes, which the partitioner obeys (NOTE [Selective recompute under torch.compile] in
