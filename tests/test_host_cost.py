@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from program_fuzzer import differences, train
-from test_replay_divergence import D, Rereading, Stack, _input
+from test_replay_divergence import Counting, D, Rereading, Stack, _input
 from torch import nn
 from torch.utils import checkpoint as torch_recompute
 
@@ -127,13 +127,8 @@ def test_where_the_probe_fails_regions_call_checkpoints_hooks_as_before(probe_fa
 
 # --- the snapshot's comparisons by dict version --------------------------------------------------------------
 
-class Restless(nn.Module):
+class Restless(Counting):
     """Counts its calls and reads an optional attribute as a value; branches on the count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(D, D)
-        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
