@@ -189,8 +189,8 @@ def _check_wrapped(layers: list[Layer], modes: list[str]) -> None:
     for layer, mode in zip(layers, modes):
         if mode != "off" and layer.wrapper is not None:
             raise UnsupportedModelError(
-                f"layer {layer.fqn} is already wrapped by {type(layer.wrapper).__name__}, which recomputes or "
-                f"shards it itself; unwrap it, or leave it out with layers={{{layer.index}: 'off'}}."
+                f"layer {layer.fqn} is already wrapped by {type(layer.wrapper).__name__}, which recomputes it "
+                f"itself; unwrap it, or leave it out with layers={{{layer.index}: 'off'}}."
             )
 
 

@@ -78,7 +78,7 @@ __all__ = ["MECHANISMS", "OffloadLease", "OffloadMarker", "knapsack_available", 
            "offloading_available", "release_offloading", "require_knapsack", "require_offloading"]
 
 MECHANISMS = {
-    "full": "checkpoint region (backward replays every op)",
+    "full": "checkpoint region (backward replays every op but routing ops, whose outputs are saved)",
     "selective": "SAC tags: odd matmuls (and attention worth its bytes) MUST_SAVE, the rest recomputed",
     "selective-even": "SAC tags: even matmuls (and attention worth its bytes) MUST_SAVE, the rest recomputed",
     "pointwise": "SAC tags: every matmul and attention MUST_SAVE, pointwise ops recomputed",

@@ -1029,7 +1029,8 @@ def _offload_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPo
 
 def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool,
                       save_ops: tuple[str, ...] | None = None) -> tuple[Any, Any]:
-    """PyTorch's selective checkpoint contexts around a fresh :class:`SelectivePolicy` (``compile=True``);
+    """PyTorch's selective checkpoint contexts around hyperac's policy for ``mode`` (``compile=True``): a fresh
+    :class:`SelectivePolicy`; ``full``: :func:`_routes_saved`; ``swap``: :func:`_offload_saved`;
     ``offload``: the layer swaps (NOTE [Swap under torch.compile] in compiled.py). Called while the
     region is traced, not per step: the op sets are resolved then.
 
@@ -1040,8 +1041,9 @@ def compiled_contexts(backend_type: type[Backend], mode: str, offload: bool,
     policy of eager mode works unchanged: ``selective`` keeps the odd-numbered matmuls of each
     region, ``selective-even`` the even-numbered ones, ``pointwise`` all of them, and the compiled
     layer saves what the eager one does. The counter is fresh per trace (``context_fn`` is called
-    per region invocation), and the policy is called at trace time only: nothing of it runs per
-    step.
+    per region invocation), and the policy is called at trace time only, except in a region dynamo runs
+    eagerly at a graph break, where PyTorch's selective checkpoint calls it per op (routes are then
+    recomputed: NOTE [Routing is kept] in replay/routing.py).
     """
     if mode == "swap":
         policy: Callable[..., CheckpointPolicy] = _offload_saved
