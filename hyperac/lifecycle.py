@@ -69,6 +69,8 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from .op_identity import fills_buffers
+
 __all__ = ["HookOps", "region_entry", "stacks_note"]
 
 
@@ -143,7 +145,7 @@ class HookOps:
                 if not walked:
                     return False
                 if (code, frame.f_lineno) in _FORWARD_LINES:
-                    if not (collective and _fills(op) and _reads_parameters(frame, args)):
+                    if not (collective and fills_buffers(op) and _reads_parameters(frame, args)):
                         return False
                     self.stacks.add(_package(walked))  # a wrapper's forward gathering its parameters (FSDP1)
                     self.derives = False
@@ -193,12 +195,6 @@ def region_entry(function: Callable[..., object]) -> Callable[..., object]:
     frames: a module found there would tell the forward's op from the replay's."""
     _REGION_CODES.add(function.__code__)
     return function
-
-
-def _fills(op: object) -> bool:
-    """Whether the collective ``op`` writes into buffers it is given (its name ends in ``_``, as c10d's
-    ``allgather_``), rather than returning what it computed (a matmul fused with an all-to-all)."""
-    return getattr(getattr(op, "_schema", None), "name", "").endswith("_")
 
 
 def _reads_parameters(call: types.FrameType, args: tuple) -> bool:

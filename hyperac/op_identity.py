@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["communicates", "key_length"]
+__all__ = ["communicates", "fills_buffers", "key_length"]
 
 _GROUP_CLASSES = ("ProcessGroup", "SymmetricMemory")
 """TorchScript classes that are a handle on a group of ranks, in any namespace, by the start of their
@@ -69,6 +69,14 @@ def communicates(op: Any) -> bool:
             return True
         names.add(argument.name)
     return {"ranks", "group_size"} <= names
+
+
+def fills_buffers(op: Any) -> bool:
+    """Whether the collective ``op`` writes into tensors it is given (c10d's in-place form, its schema's name
+    ending in ``_``: ``allgather_``, ``alltoall_base_``, ``recv_``), rather than returning what it computed
+    (``_c10d_functional::*``, a matmul fused with a collective)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and schema.name.endswith("_")
 
 
 def _unwrapped(kind: Any) -> Any:

@@ -65,7 +65,7 @@ from ._compat import FRAME_HOOK_AVAILABLE, pause_frame_compilation, resume_frame
 from .backends import Backend, resolve_ops
 from .errors import ConfigError, RecomputeMismatchError
 from .lifecycle import HookOps, stacks_note
-from .op_identity import communicates, key_length
+from .op_identity import communicates, fills_buffers, key_length
 from .replay.random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay.replay_check import cast_of_a_leaf, divergence
 
@@ -491,9 +491,7 @@ def _shapes(args: tuple) -> tuple:
 def _fills_first_argument(op: Any) -> bool:
     """A collective that writes into its first argument and returns none of it, only its ``Work``
     (``c10d::alltoall_base_``, which ``all_to_all_single`` runs; ``recv_``)."""
-    schema = getattr(op, "_schema", None)
-    return (schema is not None and schema.name.endswith("_")
-            and not any("Tensor" in str(value.type) for value in schema.returns))
+    return fills_buffers(op) and not any("Tensor" in str(value.type) for value in op._schema.returns)
 
 
 def _written_arguments(leaves: list[Any], arguments: Any) -> dict[int, int]:
