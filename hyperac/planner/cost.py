@@ -157,6 +157,11 @@ class Estimate:
         modes (or swap options)."""
         return self.outside_bytes + sum(self.kept_on_device(p, m) for p, m in enumerate(modes))
 
+    def bounded_bytes(self, modes: Sequence[str], bound: str) -> int:
+        """What a budget bounds (``bound`` as for :func:`~hyperac.planner.solver.choose_modes`): :meth:`peak_bytes`
+        for ``"peak"``, :meth:`total_bytes` for ``"kept"``."""
+        return self.peak_bytes(modes) if bound == "peak" else self.total_bytes(modes)
+
     def peak_bytes(self, modes: Sequence[str]) -> int:
         """Predicted peak of live activation bytes over the step (NOTE [Peak phases], NOTE [Swap in
         the plan])."""

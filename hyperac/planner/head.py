@@ -67,9 +67,8 @@ def head_note(estimates: Mapping[str, Estimate], bound: str = "peak") -> str:
     """The head's share of the step, as the model computes it and chunked (for ``print(plan)``):
     of its peak, or (``bound="kept"``, compiled) of its bytes saved for backward."""
     plain, chunked = estimates["off"], estimates["chunked"]
-    measure = Estimate.peak_bytes if bound == "peak" else Estimate.total_bytes
-    off_plain, off_chunked = (measure(e, ["off"] * len(e.layers)) for e in (plain, chunked))
-    full_plain, full_chunked = (measure(e, ["full"] * len(e.layers)) for e in (plain, chunked))
+    off_plain, off_chunked = (e.bounded_bytes(["off"] * len(e.layers), bound) for e in (plain, chunked))
+    full_plain, full_chunked = (e.bounded_bytes(["full"] * len(e.layers), bound) for e in (plain, chunked))
     what = "peak" if bound == "peak" else "saved for backward"
     return (f"the head and the loss (NOTE [The head in the plan]): {what} with no recompute "
             f"{off_plain / 2**20:.1f} MiB as the model computes them, {off_chunked / 2**20:.1f} MiB chunked; with "
@@ -87,8 +86,7 @@ def choose_head(policy: str, estimate_of: Callable[[str], Estimate], budget: Any
     what the budget bounds, as for :func:`choose_modes` (``"kept"``: the compiled planner's saved bytes),
     a fraction of it with no recompute and the head as the model computes it."""
     estimates = {"off": estimate_of("off")}
-    measure = Estimate.peak_bytes if bound == "peak" else Estimate.total_bytes
-    budget_bytes = parse_budget(budget, measure(estimates["off"], ["off"] * len(estimates["off"].layers)))
+    budget_bytes = parse_budget(budget, estimates["off"].bounded_bytes(["off"] * len(estimates["off"].layers), bound))
     if policy == "fallback":
         try:
             return "off", estimates, choose_modes(estimates["off"], budget_bytes, options,

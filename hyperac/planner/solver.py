@@ -107,15 +107,14 @@ def choose_modes(estimate: Estimate, budget_bytes: int, modes: Sequence[str] = E
     count = len(estimate.layers)
     allowed = [[m for m in modes if not split_option(m)[1] or (position < count - 1 and estimate.offload_bytes(
         position, m) > 0)] for position in range(count)]
-    measure = estimate.peak_bytes if bound == "peak" else estimate.total_bytes
-    if all("off" in options for options in allowed) and measure(["off"] * count) <= budget_bytes:
+    if all("off" in options for options in allowed) and estimate.bounded_bytes(["off"] * count, bound) <= budget_bytes:
         return ["off"] * count  # nothing recomputed: nothing to gain
     program = _Program(estimate, budget_bytes, allowed, bound, objective)
     unbounded = program.solve(grid)
     chosen = unbounded
     if unbounded is not None and host_budget_bytes is not None and estimate.host_bytes(unbounded) > host_budget_bytes:
         chosen = program.solve(max(grid // 64, 1), host_budget_bytes, max(HOST_GRID, grid // 512))
-    floor = measure(["full"] * count)
+    floor = estimate.bounded_bytes(["full"] * count, bound)
     if chosen is not None:
         return chosen
     if floor <= budget_bytes:
