@@ -63,7 +63,7 @@ from .policy import (
 )
 from .replay.buffers import BufferSnapshots, buffers_as_before
 from .replay.freed_saves import FreedSaves
-from .replay.python_state import PythonState, module_tree
+from .replay.python_state import Snapshots
 from .replay.random_sources import TrackerReplay, rng_states, set_rng_states
 from .replay.region_saves import RegionSaves
 from .replay.replay_check import full_replay_contexts
@@ -362,7 +362,7 @@ class _Region:
     and again for each replay (keyword arguments bound here, so none clash with checkpoint's own).
     ``override`` names the layer in errors; it is read only then (NOTE [One graph per layer plan])."""
 
-    def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], override: Override) -> None:
+    def __init__(self, call: Callable[..., Any], kwargs: dict[str, Any], override: RecomputedForward) -> None:
         self.call, self.kwargs, self.override = call, kwargs, override
         self.caches = [_CacheAsBefore(name, kwargs[name]) for name in CACHE_KWARGS if kwargs.get(name) is not None]
         self.watched = False
@@ -380,7 +380,7 @@ class _Region:
         self.watched, self.given = True, args
         module = self.override.module_and_forward()[0]
         plain_kwargs = {name: value for name, value in self.kwargs.items() if name not in CACHE_KWARGS}
-        state = PythonState(module_tree(module), args, plain_kwargs)
+        state = self.override.snapshots.take(module, args, plain_kwargs)
         buffers = buffers_as_before(state.borrowed, self.override.fqn, self.override.index) if state.borrowed else None
         self.as_in_forward = [state, ForwardContext(), *([] if buffers is None else [buffers])]
         keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
@@ -443,6 +443,9 @@ class RecomputedForward(Override):
         self.index = index
         self.saves_checked = False
         """Whether a forward of the region was watched for saved tensors it frees (done once)."""
+        self.snapshots = Snapshots()
+        """The Python state each invocation's forward starts from (NOTE [A snapshot taken again] in
+        replay/python_state.py)."""
         # Eager regions keep their buffer updates single (NOTE [Buffers in the replay] in replay/buffers.py).
         compiled = context is not None and context.compile
         self.checked = context is not None and not compiled

@@ -7,7 +7,9 @@ mechanism). Where each guarantee and its cost are written down:
 
 * python_state.py    NOTE [Python state in the replay]: attributes, hook tables, hook closures, borrowed
                      modules, generators, seen as the forward saw them and left as the replay found them;
-                     how generators are read: NOTE [Generators read as bytes].
+                     how generators are read: NOTE [Generators read as bytes]; what keeps it cheap: NOTE [Dict
+                     versions], NOTE [A snapshot taken again] (a layer's next invocation takes the same snapshot
+                     where a witness of versions and flags says nothing it saw has changed).
 * random_sources.py  NOTE [RNG trackers], NOTE [Kept ops that draw random numbers]: every random source a
                      region drew from is replayed.
 * replay_context.py  NOTE [The forward's context in the replay]: parametrize caching, default dtype,

@@ -36,7 +36,8 @@ bookkeeping, left as it is (NOTE [Parameter bookkeeping is the stack's]). Its co
 layer invocation: each module the region runs is one entry (attributes, ``requires_grad`` flags, hook
 tables), and a put-back compares each entry with the live state without copying it, one Python call per entry
 where nothing changed, and without looking at a ``__dict__``'s entries where its version has not moved (NOTE
-[Dict versions]; benchmarks/host_overhead.py).
+[Dict versions]; benchmarks/host_overhead.py); where nothing the snapshot saw has changed since a layer's last
+invocation, the walk, the copies and the comparisons are replaced by one check (NOTE [A snapshot taken again]).
 
 Not reached: module-level globals (a hook appending to a global list), class attributes
 (``type(self).calls += 1``), objects three levels below a module attribute, a module behind a weak
@@ -70,7 +71,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PythonState", "module_tree"]
+__all__ = ["PythonState", "Snapshots", "module_tree"]
 
 _MODULE_BOOKKEEPING = (frozenset(nn.Module().__dict__) - {"training"}) | {"forward"}
 """Keys of a module's ``__dict__`` that are nn.Module's own (parameters, buffers, children, hooks) or
@@ -150,10 +151,10 @@ _ATOMS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 """Types that hold no module, skipped without a look (most of what a config object holds)."""
 
 
-def _modules_in(value: Any, visited: set[int], depth: int = _MODULE_DEPTH) -> list[nn.Module]:
+def _modules_in(value: Any, visited: dict[int, Any], depth: int = _MODULE_DEPTH) -> list[nn.Module]:
     """Modules ``value`` is, is a bound method of, or holds up to ``depth`` levels down, through
-    containers and plain objects not in ``visited`` (ids; not through modules: their sub-modules are
-    found by ``modules()``)."""
+    containers and plain objects not in ``visited`` (by id, each with the object looked through; not through
+    modules: their sub-modules are found by ``modules()``)."""
     kind = type(value)
     if kind in _ATOMS:
         return []
@@ -165,7 +166,7 @@ def _modules_in(value: Any, visited: set[int], depth: int = _MODULE_DEPTH) -> li
             return [value]
     if depth == 0 or id(value) in visited:
         return []
-    visited.add(id(value))
+    visited[id(value)] = value
     return [module for item in _items_of(value) for module in _modules_in(item, visited, depth - 1)]
 
 
@@ -288,6 +289,12 @@ class _Entry:
         now = self.now()
         return now is values or _same(now, values)
 
+    def vouch(self, witness: _Witness) -> bool:
+        """Add what tells that this entry still holds to ``witness``; False where nothing can (NOTE [A snapshot
+        taken again]). Compared as a put-back compares it, by default."""
+        witness.compared.append(self)
+        return True
+
 
 class _Attributes(_Entry):
     """A module's own attributes (its ``__dict__`` less nn.Module's bookkeeping), by identity. Read as a
@@ -307,6 +314,10 @@ class _Attributes(_Entry):
         """The values of the attributes the snapshot restores that may hold Python state (numbers and
         strings left out: they hold nothing to look into)."""
         return _own(self.values)
+
+    def vouch(self, witness: _Witness) -> bool:
+        witness.stamp(self.target.__dict__, owner=self.target)
+        return True
 
     def put(self, values: dict[str, Any]) -> None:
         """Set the attributes to ``values``, but for a name the forward has since made a sub-module,
@@ -471,6 +482,20 @@ class _Module(_Attributes):
     def own(self) -> list[Any]:
         return _own(self.values[0])
 
+    def vouch(self, witness: _Witness) -> bool:
+        """The tables the walk read (children, parameters) by version; where the module has no forward hooks,
+        its ``__dict__`` and hook tables by version and its flags with the others', else the entry compared."""
+        module = self.target
+        witness.stamp(module._modules)
+        witness.stamp(module._parameters)
+        if self.values[2] or module._forward_pre_hooks or module._forward_hooks:
+            return super(_Attributes, self).vouch(witness)
+        witness.stamp(self.live, self.values[3], owner=module)
+        witness.stamp(module._forward_pre_hooks)
+        witness.stamp(module._forward_hooks)
+        witness.parameters.extend(self.parameters)
+        return True
+
     def put(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple, int | None]) -> None:
         attributes, flags, hooks, _ = values
         super().put(attributes)
@@ -563,6 +588,20 @@ class _Contents(_Entry):
             return len(target) == len(contents) and all(map(operator.is_, target, contents))
         return super().holds(contents)
 
+    def vouch(self, witness: _Witness) -> bool:
+        """A ``dict`` or a plain object's ``__dict__`` by version, other containers compared; an object with
+        ``__slots__`` not at all."""
+        target = self.target
+        if type(target) is dict:
+            witness.stamp(target, self.version)
+        elif isinstance(target, _CONTAINERS):
+            witness.compared.append(self)
+        elif _slot_names(type(target)):
+            return False
+        else:
+            witness.stamp(self.live, self.version, owner=target)  # type: ignore[arg-type]
+        return True
+
     def put(self, contents: Any) -> None:
         kind = type(self.target)
         if _holds_parameters(contents) or _holds_parameters(_contents(self.target)):
@@ -611,8 +650,8 @@ class _Contents(_Entry):
 def _parameter_view(value: Any) -> bool:
     """Whether ``value`` is a parameter or a view of one: what FSDP1 sets as a module's attribute while it
     holds the parameter gathered (NOTE [Parameter bookkeeping is the stack's])."""
-    return isinstance(value, nn.Parameter) or (
-        isinstance(value, torch.Tensor) and isinstance(value._base, nn.Parameter))
+    return issubclass(type(value), torch.Tensor) and (  # by type: a dead weak proxy raises on isinstance
+        isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter))
 
 
 def _holds_parameters(contents: Any) -> bool:
@@ -621,7 +660,7 @@ def _holds_parameters(contents: Any) -> bool:
     if not isinstance(contents, _CONTAINERS):
         return False
     items = contents.values() if isinstance(contents, dict) else contents
-    return any(isinstance(item, nn.Parameter) for item in items)
+    return any(issubclass(type(item), torch.Tensor) and isinstance(item, nn.Parameter) for item in items)
 
 
 class _Generator(_Entry):
@@ -788,6 +827,100 @@ def _is_generator(value: Any) -> bool:
     return numpy_random is not None and issubclass(kind, (numpy_random.RandomState, numpy_random.Generator))
 
 
+# NOTE [A snapshot taken again]
+# Walking what a layer can reach and copying it (NOTE [Python state in the replay]) at every invocation, and
+# comparing it entry by entry at each replay's start and end, was most of what ``full`` cost over torch's
+# checkpoint on a host-bound step (benchmarks/host_overhead.py), though a layer's state almost never changes
+# from one invocation to the next. So each snapshot keeps a witness (:class:`_Witness`): the versions of the
+# dicts it copied or looked through (NOTE [Dict versions]: every module's ``__dict__``, its children, parameter
+# and forward hook tables, the plain objects' ``__dict__`` and the dicts found, the global hook tables and
+# ``sys.modules``, whose imports could add numpy's generator), the ``requires_grad`` of the parameters, and the
+# entries no version covers (lists, sets, deques, closure cells, generators, a module with forward hooks, and
+# the lists, sets and deques the search for modules looked through), each compared as a put-back compares it.
+# Where the witness holds, the state is the one the snapshot saw, in every place the snapshot and its walk
+# read: a region's next invocation with the same non-tensor arguments (by identity) takes the same snapshot
+# again (:class:`Snapshots`, one per recomputed module) instead of walking and copying, and a replay that
+# starts and ends with it holding puts nothing back, without comparing entry by entry. Where it does not
+# hold, everything runs as before: a new walk, and each entry compared and put back. The witness is a few
+# C-level loops over versions and flags plus one comparison per unversioned entry (about 20 for a Llama
+# decoder layer, where the walk and copy were about 60 Python calls). Kept only where every object the walk
+# met is of those kinds (no ``__slots__``, weak proxies or ``functools.partial``), and where the Python build
+# has dict versions; otherwise each invocation walks anew, as before. A kept snapshot holds the references it
+# saw until the module's next invocation (today's region held them until its backward was done): only
+# objects the live state held as that invocation's forward started.
+
+
+_value = operator.attrgetter("value")
+_DICT = itertools.repeat("__dict__")
+
+
+class _Witness:
+    """What tells, in a few C-level loops, that the state a snapshot saw is all still there (NOTE [A snapshot
+    taken again]); :meth:`holds` is that check."""
+
+    __slots__ = ("compared", "flags", "owners", "parameters", "stamps", "states", "versions")
+
+    def __init__(self) -> None:
+        self.stamps: list[Any] = []
+        self.versions: list[int] = []
+        self.owners: list[Any] = []
+        self.states: list[dict[str, Any]] = []
+        self.parameters: list[torch.Tensor] = []
+        self.compared: list[_Entry] = []
+        self.flags: tuple[bool, ...] = ()
+
+    def stamp(self, state: dict[str, Any], version: int | None = None, owner: Any = None) -> None:
+        """Vouch for ``state`` by its version (``version``, as its copy was taken, or now), and where it is
+        ``owner``'s ``__dict__``, for ``owner`` still having it."""
+        stamp = _stamp(state)
+        self.stamps.append(stamp)
+        self.versions.append(stamp.value if version is None else version)  # type: ignore[union-attr]
+        if owner is not None:
+            self.owners.append(owner)
+            self.states.append(state)
+
+    def seal(self) -> _Witness:
+        self.flags = tuple(map(_requires_grad, self.parameters))
+        self.versions = tuple(self.versions)  # type: ignore[assignment]
+        return self
+
+    def holds(self) -> bool:
+        return (tuple(map(_value, self.stamps)) == self.versions
+                and all(map(operator.is_, map(object.__getattribute__, self.owners, _DICT), self.states))
+                and tuple(map(_requires_grad, self.parameters)) == self.flags
+                and all(entry.holds(entry.values) for entry in self.compared))
+
+
+def _witness_of(entries: list[_Entry], walked: Iterable[Any], irregular: bool) -> _Witness | None:
+    """The witness of a snapshot of ``entries`` whose search for modules looked through ``walked``, or None
+    where one cannot vouch for it (NOTE [A snapshot taken again])."""
+    if irregular or _VERSION_AT is None:
+        return None
+    witness = _Witness()
+    covered = set()
+    for entry in entries:
+        covered.add(id(entry.target))
+        if not entry.vouch(witness):
+            return None
+    for value in walked:  # what _items_of read of each
+        kind = type(value)
+        if id(value) in covered or issubclass(kind, (tuple, frozenset)) or not (
+                isinstance(value, _CONTAINERS) or _plain(value)):
+            continue
+        if isinstance(value, dict):
+            witness.stamp(value)
+        elif isinstance(value, _CONTAINERS):
+            witness.compared.append(_Contents(value))
+        elif _slot_names(kind):
+            return None
+        elif (state := _state_of(value)) is not None:
+            witness.stamp(state, owner=value)
+    registry = nn.modules.module
+    for table in (registry._global_forward_pre_hooks, registry._global_forward_hooks, sys.modules):
+        witness.stamp(table)
+    return witness.seal()
+
+
 class PythonState:
     """The Python state one region invocation's forward starts from (NOTE [Python state in the
     replay]); a context manager that makes a replay start from it, entered once per replay.
@@ -800,12 +933,15 @@ class PythonState:
     def __init__(self, modules: Iterable[nn.Module], args: tuple, kwargs: dict[str, Any]) -> None:
         self.entries: list[_Entry] = []
         self.seen: set[int] = set()
-        self.found: list[list[Any]] = []
+        self.irregular = False
+        """Whether the walk met an object no witness vouches for (NOTE [A snapshot taken again])."""
+        self.found: list[list[Any] | None] = []
         own = list(modules)
         self.seen.update(map(id, own))
         found: list[nn.Module] = []
-        walked: set[int] = set()  # what the search for modules looked through
-        for leaf in _held_leaves((args, kwargs), []):
+        walked: dict[int, Any] = {}  # what the search for modules looked through
+        self.leaves = _held_leaves((args, kwargs), [])
+        for leaf in self.leaves:
             found.extend(_modules_in(leaf, walked))
             self._add_deep(leaf)
         for module in own:
@@ -821,8 +957,18 @@ class PythonState:
                     self.seen.add(id(module))
                     self.borrowed.append(module)
                     self._add_module(module, walked)
+        self.witness = _witness_of(self.entries, walked.values(), self.irregular)
 
-    def _add_module(self, module: nn.Module, walked: set[int]) -> list[nn.Module]:
+    def again(self) -> PythonState:
+        """This snapshot, for another invocation whose forward starts from the same state (NOTE [A snapshot
+        taken again]): the same entries, replays of its own."""
+        state = object.__new__(PythonState)
+        state.entries, state.borrowed, state.leaves, state.witness = (
+            self.entries, self.borrowed, self.leaves, self.witness)
+        state.found = []
+        return state
+
+    def _add_module(self, module: nn.Module, walked: dict[int, Any]) -> list[nn.Module]:
         """Snapshot ``module``'s attributes (each with :meth:`_add_deep`), its parameters' ``requires_grad``,
         its hook tables and what its hooks hold; returns the modules among its attributes."""
         attributes = _Module(module)
@@ -886,6 +1032,7 @@ class PythonState:
             self._add_contents(value())  # what the weak reference points at, while it lives
             return
         if kind in (weakref.ProxyType, weakref.CallableProxyType):
+            self.irregular = True  # its referent may die: NOTE [A snapshot taken again]
             try:  # a proxy answers for its referent: its class, its __dict__
                 if _plain_kind(value.__class__):
                     self._add_contents(value.__dict__)
@@ -896,6 +1043,7 @@ class PythonState:
             self._add_contents(value.__self__)  # self.coin = random.Random(0).random
             return
         if kind is functools.partial:
+            self.irregular = True  # its keywords are a dict no version is read of: NOTE [A snapshot taken again]
             for item in (value.func, *value.args, *value.keywords.values()):
                 self._add_contents(item)
             return
@@ -916,9 +1064,42 @@ class PythonState:
         return found
 
     def __enter__(self) -> None:
-        self.found.append(self.put_back())
+        if self.witness is not None and self.witness.holds():  # NOTE [A snapshot taken again]
+            self.found.append(None)
+        else:
+            self.found.append(self.put_back())
 
     def __exit__(self, *exc: Any) -> None:
-        for entry, value in zip(reversed(self.entries), reversed(self.found.pop())):
+        found = self.found.pop()
+        if found is None:  # the replay started from the snapshot's state itself
+            if self.witness.holds():  # type: ignore[union-attr]
+                return
+            found = [entry.values for entry in self.entries]
+        for entry, value in zip(reversed(self.entries), reversed(found)):
             if not entry.holds(value):
                 entry.put(value)
+
+
+class Snapshots:
+    """The snapshots of one recomputed module's invocations: each taken anew, or the last one taken again
+    where its witness holds and the forward is given the same non-tensor arguments (NOTE [A snapshot taken
+    again]). Copied and pickled empty."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: PythonState | None = None
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return Snapshots, ()
+
+    def take(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> PythonState:
+        """The snapshot of an invocation of ``module`` on ``args`` and ``kwargs``, as its forward starts."""
+        last = self.last
+        if last is not None and last.witness is not None:
+            leaves = _held_leaves((args, kwargs), [])
+            if (len(leaves) == len(last.leaves) and all(map(operator.is_, leaves, last.leaves))
+                    and last.witness.holds()):
+                return last.again()
+        self.last = PythonState(module_tree(module), args, kwargs)
+        return self.last
