@@ -206,7 +206,7 @@ def _hook_label(hook: Any) -> str:
 
 # (module path, attribute path, label): the Python-level pieces of a region invocation, timed where found.
 _PIECES = (
-    ("hyperac.replay.python_state", "PythonState.__init__", "python state: snapshot"),
+    ("hyperac.replay.python_state", "Snapshots.take", "python state: snapshot"),
     ("hyperac.replay.python_state", "PythonState.__enter__", "python state: put back (replay start)"),
     ("hyperac.replay.python_state", "PythonState.__exit__", "python state: put back (replay end)"),
     ("hyperac.replay.replay_context", "ForwardContext.__init__", "forward context"),

@@ -676,6 +676,43 @@ def test_a_replay_runs_under_the_parametrize_cache_its_forward_ran_under(kind, m
     _parity(lambda: Stack([Parametrized(kind) for _ in range(2)]), mode, _cached_loss, layers="layers")
 
 
+class SettingsReader(nn.Module):
+    """Attention whose kernel choice changes its output, and a constant made in the default dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+        return x + attended * (torch.full((), 0.1) ** 3).to(x.dtype)
+
+
+def _settings_loss(model: nn.Module) -> torch.Tensor:
+    """The forward under other process-wide settings than the backward runs under: one attention kernel, first in
+    the priority order, and another default dtype."""
+    kernels = [torch.nn.attention.SDPBackend.MATH]
+    dtype, x = torch.get_default_dtype(), torch.randn(16, D)
+    with torch.nn.attention.sdpa_kernel(kernels, set_priority=True):
+        torch.set_default_dtype(torch.float64)
+        try:
+            return model(x)
+        finally:
+            torch.set_default_dtype(dtype)
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_a_replay_runs_under_the_attention_kernels_and_default_dtype_its_forward_ran_under(mode):
+    x = torch.randn(1, 2, 16, D // 2)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        math = F.scaled_dot_product_attention(x, x, x)
+    assert not torch.equal(math, F.scaled_dot_product_attention(x, x, x))  # the kernels differ on this machine
+    before = (torch.nn.attention._cur_sdpa_kernel_backends(True), torch.get_default_dtype())
+    _parity(lambda: Stack([SettingsReader() for _ in range(2)]), mode, _settings_loss, layers="layers")
+    assert (torch.nn.attention._cur_sdpa_kernel_backends(True), torch.get_default_dtype()) == before
+
+
 class SharedWeights(nn.Module):
     """One Linear run twice inside each layer (two autocast casts of one weight: the second hits the cache)."""
 

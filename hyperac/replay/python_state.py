@@ -486,8 +486,8 @@ class _Module(_Attributes):
         """The tables the walk read (children, parameters) by version; where the module has no forward hooks,
         its ``__dict__`` and hook tables by version and its flags with the others', else the entry compared."""
         module = self.target
-        witness.stamp(module._modules)
-        witness.stamp(module._parameters)
+        witness.walk.stamp(module._modules)  # type: ignore[union-attr]
+        witness.walk.stamp(module._parameters)  # type: ignore[union-attr]
         if self.values[2] or module._forward_pre_hooks or module._forward_hooks:
             return super(_Attributes, self).vouch(witness)
         witness.stamp(self.live, self.values[3], owner=module)
@@ -670,21 +670,32 @@ class _Generator(_Entry):
     kept in a form compared by value (bytes, or Python's own state tuple) and set back exactly; read
     as bytes where its layout allows (NOTE [Generators read as bytes])."""
 
-    __slots__ = ()
+    __slots__ = ("cached", "words")
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.words, self.cached = _twister_addresses(target)
+        self.values = self.now()
 
     def now(self) -> Any:
+        if self.words is not None:  # NOTE [Generators read as bytes]
+            if self.cached is None:
+                return _TwisterState(ctypes.string_at(self.words, _TWISTER_BYTES), self.target.gauss_next)
+            return _LegacyNumpyState(_numpy_bytes(self.words, self.cached))
         target = self.target
-        kind = type(target)
-        if kind is torch.Generator:
+        if type(target) is torch.Generator:
             return target.get_state().numpy().tobytes()
-        if kind is random.Random and _twister_bytes_readable():
-            return _TwisterState(_twister_bytes(target), target.gauss_next)
         if isinstance(target, random.Random):
             return target.getstate()
-        bits = _legacy_twister(target)
-        if bits is not None:
-            return _LegacyNumpyState(_numpy_bytes(target, bits, _numpy_gauss_at(kind)))
         return pickle.dumps(target.bit_generator.state if hasattr(target, "bit_generator") else target.get_state())
+
+    def holds(self, values: Any) -> bool:
+        if self.words is None:
+            return self.now() == values
+        if self.cached is None:
+            return (ctypes.string_at(self.words, _TWISTER_BYTES) == values.words
+                    and self.target.gauss_next == values.gauss_next)
+        return _numpy_bytes(self.words, self.cached) == values
 
     def put(self, state: Any) -> None:
         target = self.target
@@ -736,6 +747,19 @@ def _twister_bytes(generator: random.Random) -> bytes:
     return ctypes.string_at(id(generator) + object.__basicsize__, _TWISTER_BYTES)
 
 
+def _twister_addresses(target: Any) -> tuple[int | None, int | None]:
+    """Where a Mersenne Twister's words are, and a numpy ``RandomState``'s cached Gaussian (None for Python's
+    ``random.Random``, whose ``gauss_next`` is an attribute); ``(None, None)`` for a generator read through its
+    state API (NOTE [Generators read as bytes])."""
+    kind = type(target)
+    if kind is random.Random and _twister_bytes_readable():
+        return id(target) + object.__basicsize__, None
+    bits = _legacy_twister(target)
+    if bits is None:
+        return None, None
+    return bits.ctypes.state_address, id(target) + _numpy_gauss_at(kind)  # type: ignore[operator]
+
+
 class _TwisterState:
     """A ``random.Random``'s state as its bytes and ``gauss_next``, compared by value."""
 
@@ -784,21 +808,26 @@ def _numpy_gauss_at(kind: type) -> int | None:
         if found is None or len(found) != 1:
             return None
         offset = found.pop()
+
+        def at(probe: Any) -> tuple[int, int]:
+            return probe._bit_generator.ctypes.state_address, id(probe) + offset
+
         for probe in probes:
-            if _numpy_bytes(probe, probe._bit_generator, offset) != _numpy_expected(probe.get_state()):
+            if _numpy_bytes(*at(probe)) != _numpy_expected(probe.get_state()):
                 return None
             probe.standard_normal()  # takes the cached Gaussian
-            if _numpy_bytes(probe, probe._bit_generator, offset) != _numpy_expected(probe.get_state()):
+            if _numpy_bytes(*at(probe)) != _numpy_expected(probe.get_state()):
                 return None
     except (AttributeError, TypeError, ValueError, struct.error):
         return None
     return offset
 
 
-def _numpy_bytes(target: Any, bits: Any, gauss_at: int) -> bytes:
-    """A ``RandomState``'s MT19937 key and position, then its ``has_gauss`` and cached Gaussian."""
-    cached = ctypes.string_at(id(target) + gauss_at, 16)
-    return ctypes.string_at(bits.ctypes.state_address, _TWISTER_BYTES) + cached[:4] + cached[8:]
+def _numpy_bytes(words_at: int, cached_at: int) -> bytes:
+    """A ``RandomState``'s MT19937 key and position (at ``words_at``), then its ``has_gauss`` and cached Gaussian
+    (at ``cached_at``: an int, then at 8 bytes further a double)."""
+    words = ctypes.string_at(words_at, _TWISTER_BYTES)
+    return words + ctypes.string_at(cached_at, 4) + ctypes.string_at(cached_at + 8, 8)
 
 
 def _numpy_expected(state: tuple) -> bytes:
@@ -850,45 +879,61 @@ def _is_generator(value: Any) -> bool:
 # objects the live state held as that invocation's forward started.
 
 
-_value = operator.attrgetter("value")
 _DICT = itertools.repeat("__dict__")
+_MEMORY = None if _VERSION_AT is None else (ctypes.c_uint64 * (sys.maxsize // 8)).from_address(0)
+"""The process's memory as 8-byte words, where :class:`_Witness` reads the versions of the dicts it holds (NOTE
+[Dict versions]): one C call for all of them."""
 
 
 class _Witness:
     """What tells, in a few C-level loops, that the state a snapshot saw is all still there (NOTE [A snapshot
-    taken again]); :meth:`holds` is that check."""
+    taken again]): :meth:`holds`. Its ``walk`` tells the same of what only the snapshot's walk read (the
+    modules' children and parameter tables, the objects looked through for modules, the global hook tables),
+    which a replay does not put back."""
 
-    __slots__ = ("compared", "flags", "owners", "parameters", "stamps", "states", "versions")
+    __slots__ = ("compared", "flags", "held", "owners", "parameters", "read", "states", "versions", "walk")
 
-    def __init__(self) -> None:
-        self.stamps: list[Any] = []
-        self.versions: list[int] = []
+    def __init__(self, walk: _Witness | None = None) -> None:
+        self.walk = walk
+        self.held: list[dict[str, Any]] = []
+        """The dicts vouched for by version, held (their words are read by address)."""
+        self.versions: Any = []
         self.owners: list[Any] = []
         self.states: list[dict[str, Any]] = []
         self.parameters: list[torch.Tensor] = []
         self.compared: list[_Entry] = []
         self.flags: tuple[bool, ...] = ()
+        self.read: Callable[[Any], Any] = _nothing
 
     def stamp(self, state: dict[str, Any], version: int | None = None, owner: Any = None) -> None:
         """Vouch for ``state`` by its version (``version``, as its copy was taken, or now), and where it is
         ``owner``'s ``__dict__``, for ``owner`` still having it."""
-        stamp = _stamp(state)
-        self.stamps.append(stamp)
-        self.versions.append(stamp.value if version is None else version)  # type: ignore[union-attr]
+        self.held.append(state)
+        self.versions.append(_stamp(state).value if version is None else version)  # type: ignore[union-attr]
         if owner is not None:
             self.owners.append(owner)
             self.states.append(state)
 
-    def seal(self) -> _Witness:
+    def seal(self) -> bool:
+        """Fix what :meth:`holds` reads; False where a version moved while the snapshot was taken."""
+        if self.held:
+            self.read = operator.itemgetter(*[(id(state) + _VERSION_AT) // 8 for state in self.held])  # type: ignore[operator]
+        now = self.read(_MEMORY)
+        if now != (self.versions[0] if len(self.held) == 1 else tuple(self.versions)):
+            return False
+        self.versions = now
         self.flags = tuple(map(_requires_grad, self.parameters))
-        self.versions = tuple(self.versions)  # type: ignore[assignment]
-        return self
+        return self.walk is None or self.walk.seal()
 
     def holds(self) -> bool:
-        return (tuple(map(_value, self.stamps)) == self.versions
+        return (self.read(_MEMORY) == self.versions
                 and all(map(operator.is_, map(object.__getattribute__, self.owners, _DICT), self.states))
                 and tuple(map(_requires_grad, self.parameters)) == self.flags
                 and all(entry.holds(entry.values) for entry in self.compared))
+
+
+def _nothing(memory: Any) -> tuple:
+    return ()
 
 
 def _witness_of(entries: list[_Entry], walked: Iterable[Any], irregular: bool) -> _Witness | None:
@@ -896,7 +941,8 @@ def _witness_of(entries: list[_Entry], walked: Iterable[Any], irregular: bool) -
     where one cannot vouch for it (NOTE [A snapshot taken again])."""
     if irregular or _VERSION_AT is None:
         return None
-    witness = _Witness()
+    witness = _Witness(walk=_Witness())
+    walk = witness.walk
     covered = set()
     for entry in entries:
         covered.add(id(entry.target))
@@ -908,17 +954,17 @@ def _witness_of(entries: list[_Entry], walked: Iterable[Any], irregular: bool) -
                 isinstance(value, _CONTAINERS) or _plain(value)):
             continue
         if isinstance(value, dict):
-            witness.stamp(value)
+            walk.stamp(value)
         elif isinstance(value, _CONTAINERS):
-            witness.compared.append(_Contents(value))
+            walk.compared.append(_Contents(value))
         elif _slot_names(kind):
             return None
         elif (state := _state_of(value)) is not None:
-            witness.stamp(state, owner=value)
+            walk.stamp(state, owner=value)
     registry = nn.modules.module
     for table in (registry._global_forward_pre_hooks, registry._global_forward_hooks, sys.modules):
-        witness.stamp(table)
-    return witness.seal()
+        walk.stamp(table)
+    return witness if witness.seal() else None
 
 
 class PythonState:
@@ -1099,7 +1145,7 @@ class Snapshots:
         if last is not None and last.witness is not None:
             leaves = _held_leaves((args, kwargs), [])
             if (len(leaves) == len(last.leaves) and all(map(operator.is_, leaves, last.leaves))
-                    and last.witness.holds()):
+                    and last.witness.walk.holds() and last.witness.holds()):  # type: ignore[union-attr]
                 return last.again()
         self.last = PythonState(module_tree(module), args, kwargs)
         return self.last

@@ -35,14 +35,61 @@ __all__ = ["ForwardContext"]
 
 def _settings() -> tuple[Any, ...]:
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled(), attention._cur_sdpa_kernel_backends(True))
+            torch.is_deterministic_algorithms_warn_only_enabled(), _sdpa_state())
 
 
 def _apply(settings: tuple[Any, ...]) -> None:
     dtype, deterministic, warn_only, sdpa = settings
     torch.set_default_dtype(dtype)
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-    attention._sdpa_kernel(sdpa, set_priority=True)
+    attention._sdpa_kernel(_sdpa_backends(sdpa), set_priority=True)
+
+
+# NOTE [SDPA kernels read as flags]
+# ``torch.nn.attention._cur_sdpa_kernel_backends(True)`` builds the list of enabled attention kernels in
+# priority order with a getattr, an f-string and a sort per call: most of this context's cost, twice per layer
+# invocation. The same state is each kernel's enabled flag and the priority order, read here by the C getters
+# that function calls (found once), and turned into its list only where a replay must set it back. Checked at
+# import against the function itself; where a torch release names them otherwise, the function is called.
+
+
+def _flag_getters() -> tuple[Any, ...] | None:
+    """The C getters of each attention kernel's enabled flag, in ``_backend_names``' order, where turning
+    them into ``_cur_sdpa_kernel_backends(True)``'s list gives that list; else None."""
+    try:
+        getters = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name in attention._backend_names)
+        state = (tuple(getter() for getter in getters), tuple(torch._C._get_sdp_priority_order()))
+        matches = _list_of(state, _kernels()) == attention._cur_sdpa_kernel_backends(True)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return getters if matches else None
+
+
+def _list_of(state: tuple[tuple[bool, ...], tuple[int, ...]], backends: list[Any]) -> list[Any]:
+    """The enabled kernels of ``state`` (flags, priority order), in priority order."""
+    flags, priority = state
+    return sorted((backend for backend, flag in zip(backends, flags) if flag), key=lambda b: priority.index(int(b)))
+
+
+def _kernels() -> list[Any]:
+    """Every attention kernel, in ``_backend_names``' order."""
+    return [getattr(attention.SDPBackend, kind) for kind in attention._backend_names.values()]
+
+
+_FLAGS = _flag_getters()
+_BACKENDS = None if _FLAGS is None else _kernels()
+
+
+def _sdpa_state() -> Any:
+    """The enabled attention kernels and their order (NOTE [SDPA kernels read as flags])."""
+    if _FLAGS is None:
+        return tuple(attention._cur_sdpa_kernel_backends(True))
+    return tuple(getter() for getter in _FLAGS), tuple(torch._C._get_sdp_priority_order())
+
+
+def _sdpa_backends(state: Any) -> list[Any]:
+    """:func:`_sdpa_state`'s state as ``_sdpa_kernel`` takes it."""
+    return list(state) if _FLAGS is None else _list_of(state, _BACKENDS)  # type: ignore[arg-type]
 
 
 def _parametrize_cache() -> tuple[int, dict | None]:
