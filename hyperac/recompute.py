@@ -346,14 +346,27 @@ def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str
 
 
 def _leaves(value: Any) -> Any:
-    """``tree_leaves(value)``, a tensor or ``None`` (the usual arguments) told apart without pytree's cost."""
-    return (value,) if value is None or type(value) in (torch.Tensor, nn.Parameter) else tree_leaves(value)
+    """``tree_leaves(value)`` where it may hold tensors; a tensor, ``None``, a number, a string or a tuple of plain
+    tensors (the usual arguments: ``use_cache=False``, rotary embeddings' ``(cos, sin)``) told apart without
+    pytree's cost."""
+    kind = type(value)
+    if value is None or kind in _PLAIN_TENSORS:
+        return (value,)
+    if kind in _SCALARS:
+        return ()
+    if kind is tuple and all(type(item) in _PLAIN_TENSORS for item in value):
+        return value
+    return tree_leaves(value)
+
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+_SCALARS = frozenset({bool, int, float, str})
 
 
 def _with_own_counters(args: tuple) -> tuple:
     """``args`` with each plain tensor but a parameter's view replaced by an alias (the same storage, no copy)
     with a version counter of its own (NOTE [Inputs written in place])."""
-    return tuple(torch.ops.aten._unsafe_view(a, a.shape)
+    return tuple(torch.ops.aten._unsafe_view.default(a, a.shape)
                  if type(a) is torch.Tensor and not isinstance(a._base, nn.Parameter) else a for a in args)
 
 

@@ -52,7 +52,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import checkpoint as torch_recompute
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .replay_check import RESHAPES, armed_check, full_replay_contexts, maker
+from .replay_check import NODE_MAKERS, armed_check, full_replay_contexts, maker, node_maker
 from .reread import checkpoint_frame, read_again
 
 __all__ = ["RegionSaves", "probe_checkpoint_hooks"]
@@ -170,10 +170,8 @@ class RegionSaves:
         if node is None or node._sequence_nr() < self.first:
             made_by = None
         else:
-            made_by = node.name()
-            if made_by in RESHAPES:
-                made_by = "a reshape"
-            elif made_by == "ToCopyBackward0":
+            made_by = NODE_MAKERS.get(type(node)) or node_maker(node)
+            if made_by == "ToCopyBackward0":
                 made_by = maker(tensor, self.first)
         self.entries.append((made_by, tensor.shape, tensor.dtype))
         frame = self.frame

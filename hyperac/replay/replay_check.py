@@ -54,7 +54,8 @@ import torch
 
 from ..errors import RecomputeMismatchError
 
-__all__ = ["RESHAPES", "armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts", "maker"]
+__all__ = ["NODE_MAKERS", "RESHAPES", "armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts", "maker",
+           "node_maker"]
 
 _LIKELY_CAUSES = (
     "The layer's training forward reads state that changed between its forward and its replay and that hyperac "
@@ -105,15 +106,31 @@ becomes depends on what dispatches it (a dispatch mode active in forward, such a
 in the replay, or the other way round), so they are one maker, ``"a reshape"``."""
 
 
+NODE_MAKERS: dict[type, str] = {}
+"""Each autograd node type's maker (its name, or ``"a reshape"``), where the type names one kind of node."""
+
+
+def node_maker(node: Any) -> str:
+    """The maker ``node``'s name gives (:data:`RESHAPES` are one), read once per node type: a node type of
+    torch's own ops or of an ``autograd.Function`` is one kind of node, whose Python type has its name; a type
+    shared by several kinds (C++ nodes without a Python type of their own) has another name, and is asked."""
+    kind = type(node)
+    name = NODE_MAKERS.get(kind)
+    if name is None:
+        name = node.name()
+        name = "a reshape" if name in RESHAPES else name
+        if kind.__name__ == node.name():
+            NODE_MAKERS[kind] = name
+    return name
+
+
 def maker(tensor: torch.Tensor, first: int) -> str | None:
     """The name of the autograd node that made ``tensor`` in the region that started at sequence number
     ``first``, or ``None`` for a tensor made outside it (or an autocast cast of a leaf)."""
     node = tensor.grad_fn
     if node is None or node._sequence_nr() < first:
         return None
-    name = node.name()
-    if name in RESHAPES:
-        return "a reshape"
+    name = node_maker(node)
     if name == "ToCopyBackward0":
         source = node.next_functions[0][0] if node.next_functions else None
         if source is None or source.name() == "torch::autograd::AccumulateGrad":
