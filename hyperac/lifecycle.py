@@ -69,8 +69,6 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from .op_identity import fills_buffers
-
 __all__ = ["HookOps", "region_entry", "stacks_note"]
 
 
@@ -113,23 +111,25 @@ class HookOps:
         self.activations: set[int] = set()
         self.derives = False
 
-    def owns(self, args: tuple, collective: bool, alias: bool = False, op: object = None) -> bool:
+    def owns(self, args: tuple, collective: bool, alias: bool = False, fills: bool = False) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
         returns a view of its input and computes nothing, so a view of a parameter or of a parameter's view is
-        on no tape; ``op``: the op, whose name tells a collective that writes into buffers it is given, as a
-        parameter all-gather does) is a stack's, not the layer's. Call it from a dispatch mode's
-        ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where it answers
-        ``True``."""
+        on no tape; ``fills``: a collective that writes into buffers it is given, as a parameter all-gather
+        does) is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` itself (it
+        looks up the stack from that method's caller), and :meth:`ran` with the op's output where it answers
+        ``True``. Most ops answer in a few statements (NOTE [Per op, not per call] in policy.py): a view of a
+        parameter is the stack's, an op on what autograd tracks the layer's; only the others look up the
+        stack."""
         if alias:  # an aten view: its first argument is the tensor it views
             viewed = args[0] if args[0]._base is None else args[0]._base
             if issubclass(type(viewed), nn.Parameter):  # not isinstance: Parameter's metaclass asks in Python
                 self.derives = False
                 return True  # a view of a parameter computes nothing: on no tape (FSDP1's, of its flat parameter)
-        if torch.is_grad_enabled() and any(
-            isinstance(arg, torch.Tensor) and arg.requires_grad and not (alias and arg.is_leaf) for arg in args
-        ):
-            return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
-        frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
+        if torch.is_grad_enabled():
+            for arg in args:  # a loop, not any() over a generator: a third of the cost, on every op
+                if isinstance(arg, torch.Tensor) and arg.requires_grad and not (alias and arg.is_leaf):
+                    return False  # computes on what autograd tracks: the layer's own (no look up the stack)
+        frame = sys._getframe(2)  # the op's caller (past this and the mode's __torch_dispatch__)
         walked: list[types.FrameType] = []
         while frame is not None:
             code = frame.f_code
@@ -145,7 +145,7 @@ class HookOps:
                 if not walked:
                     return False
                 if (code, frame.f_lineno) in _FORWARD_LINES:
-                    if not (collective and fills_buffers(op) and _reads_parameters(frame, args)):
+                    if not (collective and fills and _reads_parameters(frame, args)):
                         return False
                     self.stacks.add(_package(walked))  # a wrapper's forward gathering its parameters (FSDP1)
                     self.derives = False

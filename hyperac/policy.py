@@ -52,7 +52,7 @@ import functools
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import checkpoint as torch_recompute
@@ -69,7 +69,7 @@ from .op_identity import communicates, fills_buffers, key_length
 from .replay.random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay.replay_check import cast_of_a_leaf, divergence
 
-__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "routing_ops", "weighing_attention_at"]
+__all__ = ["OpInfo", "OpSets", "SelectivePolicy", "resolve_op_sets", "routing_ops", "weighing_attention_at"]
 
 _MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul",
@@ -143,6 +143,34 @@ def _all_overloads(qualified_names: tuple[str, ...]) -> frozenset:
 _OTHER, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _ROUTE, _COLLECTIVE, _ONCE = range(8)
 
 
+class OpInfo(NamedTuple):
+    """What the recording and replay modes ask of an op on every call, answered once per op by
+    :meth:`OpSets.classify` (all of it depends on the op alone: its sets, its schema, its type).
+
+    NOTE [Per op, not per call]
+    A dispatch mode runs its ``__torch_dispatch__`` for every op of every region invocation, forward and
+    replay, and at a host-bound step that Python is the step (issue 33: torchtitan's selective modes do
+    less per op). Everything a mode decides from the op alone (its kind, the arguments it writes,
+    whether it is a view, whether it is a collective that fills the buffers it is given) is read once,
+    when the op is first seen, and unpacked from one tuple per call; only what depends on the
+    arguments (which tensors autograd tracks, the stack for a sharding stack's hooks) is asked per
+    call."""
+
+    kind: int
+    writes: tuple[tuple[int, str], ...]
+    """``(position, name)`` of each argument the schema says the op writes into."""
+    keyed: bool
+    """A higher-order op: keyed on the tape by ``_sac_storage_key``, not by the op."""
+    unannotated: bool
+    """Its output may share an input's storage with a version counter of its own (NOTE [Aliases with
+    their own version counter])."""
+    view: bool
+    """An aten view (``OpOverload.is_view``): it returns an alias of its first argument and computes
+    nothing (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py)."""
+    fills: bool
+    """A collective that writes into the tensors it is given (:func:`~hyperac.op_identity.fills_buffers`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSets:
     """Dispatcher overloads, resolved once per :func:`hyperac.apply`. Immutable: the sets are
@@ -165,11 +193,12 @@ class OpSets:
     as much per byte as a matmul (NOTE [Attention kept by its cost per byte]); empty with ``save_ops``."""
 
     def __post_init__(self) -> None:
-        # ``id(op) -> ((kind, written arguments, keyed, unannotated alias), op)``, filled as ops are
-        # first seen; ids are stable because the cache also holds the op (ops are never freed while
-        # it exists).
+        # ``id(op) -> (OpInfo, op)``, filled as ops are first seen; ids are stable because the cache
+        # also holds the op (ops are never freed while it exists). The modes read the dict itself
+        # (``lookup``: its ``get``, half the cost of the read-only view's).
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "table", types.MappingProxyType(self._cache))
+        object.__setattr__(self, "lookup", self._cache.get)
         # ``id`` of each routing op, for the ``full`` mode's routing modes (replay/routing.py); stable, as the
         # set holds the ops.
         object.__setattr__(self, "routing_ids", frozenset(id(op) for op in self.routing))
@@ -179,10 +208,8 @@ class OpSets:
         return OpSets, (self.matmul, self.keep, self.routing, self.ignored, self.communication, self.save_ops,
                         self.attention)
 
-    def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool, bool]:
-        """``(kind, written arguments, keyed, unannotated alias)`` of ``op``; cached. The last: its
-        output may share an input's storage with a version counter of its own
-        (NOTE [Aliases with their own version counter])."""
+    def classify(self, op: Any) -> OpInfo:
+        """What ``op`` is to the recording and replay modes (NOTE [Per op, not per call]); cached."""
         entry = self._cache.get(id(op))
         if entry is not None:
             return entry[0]
@@ -213,7 +240,8 @@ class OpSets:
             writes = higher_order.written_arguments(op)
         unannotated = (keyed or schema is None or schema.name in _UNANNOTATED_ALIAS_OPS
                        or not schema.name.startswith("aten::"))
-        info = (kind, writes, keyed, unannotated)
+        info = OpInfo(kind, writes, keyed, unannotated, view=bool(getattr(op, "is_view", False)),  # a HOP has none
+                      fills=kind == _COLLECTIVE and fills_buffers(op))
         self._cache[id(op)] = (info, op)
         return info
 
@@ -599,15 +627,12 @@ class _EagerMode(TorchDispatchMode):
         """What sharding stacks' module hooks run in the region: not its program (NOTE [Parameter lifecycles
         are not the layer's program] in lifecycle.py)."""
 
-    def _stack_op(self, func: Any, args: tuple, kwargs: dict, kind: int) -> tuple[bool, Any]:
-        """``(True, output)`` where the op is a sharding stack's parameter lifecycle, which runs as it is and
-        neither mode sees; ``(False, None)`` where it is the layer's."""
-        alias = getattr(func, "is_view", False)  # a higher-order op has no is_view
-        if not self.hook_ops.owns(args, kind == _COLLECTIVE, alias, func):
-            return False, None
+    def _stack_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run an op :meth:`HookOps.owns` says is a sharding stack's parameter lifecycle: as it is, seen by
+        neither mode."""
         out = func(*args, **kwargs)
         self.hook_ops.ran(out)
-        return True, out
+        return out
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -672,7 +697,7 @@ class _RecordingMode(_EagerMode):
         self.tape = tape
         self.hook_ops.stacks = tape.stacks  # named in the error of a replay that diverges
         self.policy = policy
-        self.table = policy.ops.table
+        self.lookup = policy.ops.lookup
         self.on_save = on_save
         """Called with each tensor kept (a swap group moves it to host memory)."""
         self.on_watch = on_watch
@@ -706,13 +731,12 @@ class _RecordingMode(_EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        entry = self.table.get(id(func))
-        kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
+        entry = self.lookup(id(func))
+        kind, writes, keyed, unannotated, view, fills = self.policy.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
-        stack_op, out = self._stack_op(func, args, kwargs, kind)
-        if stack_op:
-            return out
+        if self.hook_ops.owns(args, kind == _COLLECTIVE, view, fills):
+            return self._stack_op(func, args, kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         versions = higher_order.tensor_versions(args, kwargs) if kind == _ONCE else None
@@ -729,7 +753,7 @@ class _RecordingMode(_EagerMode):
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
         self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE, func)
                                  if keeps else None)
-        if not keeps and getattr(func, "is_view", False) and not args[0].requires_grad:  # NOTE [Views a replay ...]
+        if not keeps and view and not args[0].requires_grad:  # NOTE [Views a replay may skip]
             self.tape.views.add(len(self.tape.entries) - 1)
         if kind >= _ROUTE or keyed:  # routes, collectives and higher-order ops are never pruned
             self.never_pruned.add(len(self.tape.entries) - 1)
@@ -892,7 +916,7 @@ class _ReplayMode(_EagerMode):
         self.tape = tape
         self.hook_ops.stacks = tape.stacks  # named in the error of a replay that diverges
         self.ops = ops
-        self.table = ops.table
+        self.lookup = ops.lookup
         self.before_replay = before_replay
         self.cursor = 0
 
@@ -954,13 +978,12 @@ class _ReplayMode(_EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        entry = self.table.get(id(func))
-        kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
+        entry = self.lookup(id(func))
+        kind, _, keyed, _, view, fills = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **kwargs)
-        stack_op, out = self._stack_op(func, args, kwargs, kind)
-        if stack_op:
-            return out
+        if self.hook_ops.owns(args, kind == _COLLECTIVE, view, fills):
+            return self._stack_op(func, args, kwargs)
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func
         if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key) or func is _TO_COPY:
