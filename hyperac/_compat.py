@@ -23,6 +23,8 @@ NOTE [Probed torch internals]
   op itself for an ordinary op (it splits compiled regions inside an eager region).
 * ``torch.Tag.nondeterministic_seeded`` marks ops that draw random numbers (a kept attention with
   dropout), and ``torch._ops.HigherOrderOperator`` exists.
+* ``OpOverload.__call__`` only forwards to the overload's ``_op``, which the modes call instead (NOTE
+  [Per op, not per call]).
 
 ``compile=True`` layers use PyTorch's public ``create_selective_checkpoint_contexts``, whose
 cached tensors bypass ``saved_tensors_hooks`` (a user's ``save_on_cpu``) up to torch 2.14.
@@ -218,8 +220,13 @@ def _probe_selective() -> str | None:
         return "aten::native_dropout is not tagged nondeterministic_seeded"
     if torch.ops.aten.detach.default not in torch_recompute.SAC_IGNORED_OPS:
         return "torch.utils.checkpoint.SAC_IGNORED_OPS does not hold aten::detach"
+    call = torch._ops.OpOverload.__call__.__code__
+    if call.co_names != ("_op",) or not callable(getattr(torch.ops.aten.mul.Tensor, "_op", None)):
+        return "OpOverload.__call__ does more than call the overload's _op"
     x = torch.full((2,), 0.5, requires_grad=True)
     mul = torch.ops.aten.mul.Tensor
+    if not torch.equal(mul._op(x, x), mul(x, x)):
+        return "an OpOverload's _op does not compute what the overload does"
     if torch_recompute._sac_storage_key(mul, (x, x)) is not mul:
         return "torch.utils.checkpoint._sac_storage_key of an ordinary op is not the op"
     output = x * x
@@ -488,7 +495,8 @@ def _probe_local_scalar_dense_on_meta() -> str | None:
 
 
 PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
-    "torch.utils.checkpoint: _detach_helper, SAC_IGNORED_OPS, _sac_storage_key; op schemas and tags": (
+    "torch.utils.checkpoint: _detach_helper, SAC_IGNORED_OPS, _sac_storage_key; op schemas and tags; "
+    "OpOverload._op": (
         "policy.py (selective record and replay)", _probe_selective),
     "torch._C._storage_Use_Count, UntypedStorage.resize_": (
         "swap.py (swap_selective_outputs)", _probe_storage_use_count),

@@ -72,23 +72,29 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["HookOps", "region_entry", "stacks_note"]
 
 
-def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.CodeType, int]]]:
-    """The code of ``nn.Module.__call__``'s frames, and the (code, line) pairs where they call ``forward``."""
+def _call_frames() -> tuple[dict[int, types.CodeType], frozenset[tuple[int, int]]]:
+    """The code of ``nn.Module.__call__``'s frames (by ``id``), and the (code ``id``, line) pairs where they call
+    ``forward``.
+
+    By ``id``, not by the code object: a code object hashes its bytecode and constants on every lookup (``hash``
+    of ``_call_impl``'s takes 0.4 us), and the look up the stack asks once or twice per frame. The dict holds
+    the code objects, so their ids stay theirs."""
     outer = nn.Module._call_impl.__code__
     codes = [outer, *(const for const in outer.co_consts if isinstance(const, types.CodeType))]
     forward_lines = frozenset(
-        (code, instruction.positions.lineno)
+        (id(code), instruction.positions.lineno)
         for code in codes
         for instruction in dis.get_instructions(code)
         if instruction.argval == "forward_call" and instruction.opname.startswith("LOAD")
         and instruction.positions is not None and instruction.positions.lineno is not None
     )
-    return frozenset(codes), forward_lines
+    return {id(code): code for code in codes}, forward_lines
 
 
 _CALL_CODES, _FORWARD_LINES = _call_frames()
-_REGION_CODES: set[types.CodeType] = set()
-"""The code that calls a region's forward, in forward and in each replay (:func:`region_entry`)."""
+_REGION_CODES: dict[int, types.CodeType] = {}
+"""The code (by ``id``, holding it) that calls a region's forward, in forward and in each replay
+(:func:`region_entry`)."""
 _GETATTR = nn.Module.__getattr__.__code__
 _WRAPPERS = ("torch._", "torch.utils.", "torch.compiler", "contextlib", "functools")
 """Modules of the decorators a hook may be wrapped in (``torch.no_grad()``, ``torch.compiler.disable``):
@@ -133,7 +139,7 @@ class HookOps:
         walked: list[types.FrameType] = []
         while frame is not None:
             code = frame.f_code
-            if code in _REGION_CODES:
+            if id(code) in _REGION_CODES:
                 return False  # what runs the region differs between its forward and its replay: not looked at
             if code is _GETATTR:
                 if not walked:
@@ -141,10 +147,10 @@ class HookOps:
                 self.stacks.add(_package(walked))
                 self.derives = False
                 return True
-            if code in _CALL_CODES:
+            if id(code) in _CALL_CODES:
                 if not walked:
                     return False
-                if (code, frame.f_lineno) in _FORWARD_LINES:
+                if (id(code), frame.f_lineno) in _FORWARD_LINES:
                     if not (collective and fills and _reads_parameters(frame, args)):
                         return False
                     self.stacks.add(_package(walked))  # a wrapper's forward gathering its parameters (FSDP1)
@@ -193,7 +199,7 @@ def region_entry(function: Callable[..., object]) -> Callable[..., object]:
     """Mark ``function`` as what calls a recompute region's forward: :class:`HookOps` looks up the stack no further.
     Above it the forward has the layer's own ``nn.Module.__call__`` and its caller, the replay the backward's
     frames: a module found there would tell the forward's op from the replay's."""
-    _REGION_CODES.add(function.__code__)
+    _REGION_CODES[id(function.__code__)] = function.__code__
     return function
 
 

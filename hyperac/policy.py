@@ -169,6 +169,9 @@ class OpInfo(NamedTuple):
     nothing (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py)."""
     fills: bool
     """A collective that writes into the tensors it is given (:func:`~hyperac.op_identity.fills_buffers`)."""
+    run: Callable[..., Any]
+    """What runs the op: an aten overload's ``_op``, the builtin its ``__call__`` forwards to (one Python
+    frame less per op: a fifth of a microsecond, probed in _compat.py), or the op itself."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +244,8 @@ class OpSets:
         unannotated = (keyed or schema is None or schema.name in _UNANNOTATED_ALIAS_OPS
                        or not schema.name.startswith("aten::"))
         info = OpInfo(kind, writes, keyed, unannotated, view=bool(getattr(op, "is_view", False)),  # a HOP has none
-                      fills=kind == _COLLECTIVE and fills_buffers(op))
+                      fills=kind == _COLLECTIVE and fills_buffers(op),
+                      run=op._op if type(op) is torch._ops.OpOverload else op)  # not a subclass: their own __call__
         self._cache[id(op)] = (info, op)
         return info
 
@@ -627,10 +631,10 @@ class _EagerMode(TorchDispatchMode):
         """What sharding stacks' module hooks run in the region: not its program (NOTE [Parameter lifecycles
         are not the layer's program] in lifecycle.py)."""
 
-    def _stack_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Run an op :meth:`HookOps.owns` says is a sharding stack's parameter lifecycle: as it is, seen by
-        neither mode."""
-        out = func(*args, **kwargs)
+    def _stack_op(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run (``run``: the op or what runs it) an op :meth:`HookOps.owns` says is a sharding stack's parameter
+        lifecycle: as it is, seen by neither mode."""
+        out = run(*args, **kwargs)
         self.hook_ops.ran(out)
         return out
 
@@ -732,18 +736,19 @@ class _RecordingMode(_EagerMode):
         if kwargs is None:
             kwargs = {}
         entry = self.lookup(id(func))
-        kind, writes, keyed, unannotated, view, fills = self.policy.ops.classify(func) if entry is None else entry[0]
+        kind, writes, keyed, unannotated, view, fills, run = (self.policy.ops.classify(func) if entry is None
+                                                             else entry[0])
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
-            return func(*args, **kwargs)
+            return run(*args, **kwargs)
         if self.hook_ops.owns(args, kind == _COLLECTIVE, view, fills):
-            return self._stack_op(func, args, kwargs)
+            return self._stack_op(run, args, kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         versions = higher_order.tensor_versions(args, kwargs) if kind == _ONCE else None
         keeps = kind >= _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()  # collectives, once-ops
                                          and self.policy.keeps(kind, func, args))
         generators = watch_generators(args, kwargs) if keeps else None  # NOTE [Kept ops that draw random numbers]
-        out = func(*args, **kwargs)
+        out = run(*args, **kwargs)
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
@@ -979,25 +984,25 @@ class _ReplayMode(_EagerMode):
         if kwargs is None:
             kwargs = {}
         entry = self.lookup(id(func))
-        kind, _, keyed, _, view, fills = self.ops.classify(func) if entry is None else entry[0]
+        kind, _, keyed, _, view, fills, run = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
-            return func(*args, **kwargs)
+            return run(*args, **kwargs)
         if self.hook_ops.owns(args, kind == _COLLECTIVE, view, fills):
-            return self._stack_op(func, args, kwargs)
+            return self._stack_op(run, args, kwargs)
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func
         if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key) or func is _TO_COPY:
             index = self._realign(key, func, args, kwargs)
             if index is None:
-                return func(*args, **kwargs)
+                return run(*args, **kwargs)
         self.cursor = index + 1
         kept = tape.entries[index]
         if kept is None:
-            return func(*args, **kwargs)
+            return run(*args, **kwargs)
         if kept is _CONSUMED or not kept.lasting:
             tape.entries[index] = _CONSUMED
         if kept is _CONSUMED or not kept.intact():
-            return func(*args, **kwargs)
+            return run(*args, **kwargs)
         if kept.shapes != _shapes(args):  # NOTE [Kept outputs that no longer fit]
             raise unfit(tape.layer, tape.index, f"op {index} of {len(tape.keys)} ({func})", kept.shapes, args)
         if kept.rng is not None:
