@@ -517,7 +517,11 @@ class _Kept:
 
 def _shapes(args: tuple) -> tuple:
     """The shapes of the tensors among an op's positional arguments."""
-    return tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor))
+    shapes = []
+    for arg in args:  # a loop, not a generator: twice per kept op (NOTE [Per op, not per call])
+        if isinstance(arg, torch.Tensor):
+            shapes.append(arg.shape)
+    return tuple(shapes)
 
 
 def _fills_first_argument(op: Any) -> bool:
@@ -844,7 +848,8 @@ class _AutogradSaves:
         node = tensor.grad_fn
         if node is not None and node._sequence_nr() >= self.first:
             storage = tensor.untyped_storage()
-            if not self._has(storage):
+            ref = self.saved.get(storage._cdata)
+            if ref is None or ref() is not storage:  # not self._has(storage), without a call per saved tensor
                 self.saved[storage._cdata] = ref = weakref.ref(storage)
                 self.sizes.append((ref, storage.nbytes()))
         return self.pack(tensor)
