@@ -487,9 +487,13 @@ class _Kept:
     def intact(self) -> bool:
         """No write changed a kept tensor, through itself or any alias met in the forward, since it
         was kept (or last replaced by a copy)."""
-        return all(
-            version is None or leaf._version == version for leaf, version in zip(self.leaves, self.versions)
-        ) and all(alias._version == version for _, alias, version in self.aliases)
+        for leaf, version in zip(self.leaves, self.versions):  # loops, not all(): once per kept op in each replay
+            if version is not None and leaf._version != version:
+                return False
+        for _, alias, version in self.aliases:
+            if alias._version != version:
+                return False
+        return True
 
     def replace(self, position: int, copy: torch.Tensor) -> None:
         """Hold ``copy``, hyperac's own, instead of the leaf at ``position``: no alias reaches it."""
