@@ -23,8 +23,6 @@ NOTE [Probed torch internals]
   op itself for an ordinary op (it splits compiled regions inside an eager region).
 * ``torch.Tag.nondeterministic_seeded`` marks ops that draw random numbers (a kept attention with
   dropout), and ``torch._ops.HigherOrderOperator`` exists.
-* ``OpOverload.__call__`` only forwards to the overload's ``_op``, which the modes call instead (NOTE
-  [Per op, not per call]).
 
 ``compile=True`` layers use PyTorch's public ``create_selective_checkpoint_contexts``, whose
 cached tensors bypass ``saved_tensors_hooks`` (a user's ``save_on_cpu``) up to torch 2.14.
@@ -220,13 +218,8 @@ def _probe_selective() -> str | None:
         return "aten::native_dropout is not tagged nondeterministic_seeded"
     if torch.ops.aten.detach.default not in torch_recompute.SAC_IGNORED_OPS:
         return "torch.utils.checkpoint.SAC_IGNORED_OPS does not hold aten::detach"
-    call = torch._ops.OpOverload.__call__.__code__
-    if call.co_names != ("_op",) or not callable(getattr(torch.ops.aten.mul.Tensor, "_op", None)):
-        return "OpOverload.__call__ does more than call the overload's _op"
     x = torch.full((2,), 0.5, requires_grad=True)
     mul = torch.ops.aten.mul.Tensor
-    if not torch.equal(mul._op(x, x), mul(x, x)):
-        return "an OpOverload's _op does not compute what the overload does"
     if torch_recompute._sac_storage_key(mul, (x, x)) is not mul:
         return "torch.utils.checkpoint._sac_storage_key of an ordinary op is not the op"
     output = x * x
@@ -475,6 +468,17 @@ def _probe_checkpoint_hooks() -> str | None:
     return probe_checkpoint_hooks(again=True)
 
 
+def _probe_op_call() -> str | None:
+    from .policy import calls_op_directly
+
+    if not calls_op_directly():
+        return "OpOverload.__call__ does more than call the overload's _op"
+    mul, x = torch.ops.aten.mul.Tensor, torch.full((2,), 0.5)
+    if not torch.equal(mul._op(x, x), mul(x, x)):
+        return "an OpOverload's _op does not compute what the overload does"
+    return None
+
+
 def _probe_local_scalar_dense_on_meta() -> str | None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -495,8 +499,7 @@ def _probe_local_scalar_dense_on_meta() -> str | None:
 
 
 PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
-    "torch.utils.checkpoint: _detach_helper, SAC_IGNORED_OPS, _sac_storage_key; op schemas and tags; "
-    "OpOverload._op": (
+    "torch.utils.checkpoint: _detach_helper, SAC_IGNORED_OPS, _sac_storage_key; op schemas and tags": (
         "policy.py (selective record and replay)", _probe_selective),
     "torch._C._storage_Use_Count, UntypedStorage.resize_": (
         "swap.py (swap_selective_outputs)", _probe_storage_use_count),
@@ -529,6 +532,8 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
     "weak_holders, recomp_counter, recomputed, is_recomputed, early_stop, ignore_saved_mismatch; _Holder, _Handle, "
     "_StopRecomputationError": (
         "region_saves.py (checkpoint's hooks' work done in the region's pair)", _probe_checkpoint_hooks),
+    "OpOverload._op, which OpOverload.__call__ only forwards to": (
+        "policy.py (the selective modes run an aten op through it; where not, through the overload)", _probe_op_call),
     "aten::_local_scalar_dense on meta (answered by a dispatch mode)": (
         "planner/profile.py (.item() of a meta model's tensors)", _probe_local_scalar_dense_on_meta),
 }

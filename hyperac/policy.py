@@ -170,8 +170,22 @@ class OpInfo(NamedTuple):
     fills: bool
     """A collective that writes into the tensors it is given (:func:`~hyperac.op_identity.fills_buffers`)."""
     run: Callable[..., Any]
-    """What runs the op: an aten overload's ``_op``, the builtin its ``__call__`` forwards to (one Python
-    frame less per op: a fifth of a microsecond, probed in _compat.py), or the op itself."""
+    """What runs the op: an overload's ``_op``, the builtin its ``__call__`` forwards to (one Python frame less
+    per op, a fifth of a microsecond), where :func:`calls_op_directly`; else the op itself."""
+
+
+def _forwarding(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+    return self._op(*args, **kwargs)
+
+
+def calls_op_directly() -> bool:
+    """Whether ``OpOverload.__call__`` only forwards to the overload's ``_op`` (its bytecode is
+    :func:`_forwarding`'s; torch-private: NOTE [Every private torch piece] in _compat.py), which the modes then
+    call instead; where a torch release (or a patch) does more there, they call the overload, slower and the
+    same. Asked once per :class:`OpSets`."""
+    call = getattr(torch._ops.OpOverload.__call__, "__code__", None)
+    return (call is not None and call.co_code == _forwarding.__code__.co_code and call.co_names == ("_op",)
+            and callable(getattr(torch.ops.aten.mm.default, "_op", None)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +216,7 @@ class OpSets:
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "table", types.MappingProxyType(self._cache))
         object.__setattr__(self, "lookup", self._cache.get)
+        object.__setattr__(self, "direct", calls_op_directly())
         # ``id`` of each routing op, for the ``full`` mode's routing modes (replay/routing.py); stable, as the
         # set holds the ops.
         object.__setattr__(self, "routing_ids", frozenset(id(op) for op in self.routing))
@@ -245,7 +260,7 @@ class OpSets:
                        or not schema.name.startswith("aten::"))
         info = OpInfo(kind, writes, keyed, unannotated, view=bool(getattr(op, "is_view", False)),  # a HOP has none
                       fills=kind == _COLLECTIVE and fills_buffers(op),
-                      run=op._op if type(op) is torch._ops.OpOverload else op)  # not a subclass: their own __call__
+                      run=op._op if self.direct and type(op) is torch._ops.OpOverload else op)  # not a subclass
         self._cache[id(op)] = (info, op)
         return info
 

@@ -18,7 +18,7 @@ from torch.utils import checkpoint as torch_recompute
 
 import hyperac
 import hyperac.recompute
-from hyperac import lifecycle, policy
+from hyperac import _compat, lifecycle, policy
 from hyperac.replay import python_state, region_saves
 
 _CHECKPOINT_PACKS = {"pack_hook", "unpack_hook"}
@@ -258,3 +258,28 @@ def test_an_ordinary_op_costs_the_selective_modes_one_python_call():
     assert calls["record"] >= 6 and calls["replay"] >= 6, calls  # 3 ops per layer, 2 layers, each way
     assert set(calls) == {"record", "replay", ("__torch_dispatch__", "owns")}, calls
     assert calls["__torch_dispatch__", "owns"] <= calls["record"] + calls["replay"]
+
+
+def test_where_an_op_overload_does_more_than_call_its_op_the_modes_call_the_overload(monkeypatch):
+    """The modes run an overload's ``_op`` only where ``OpOverload.__call__`` does nothing else (NOTE [Per op, not
+    per call] in policy.py); where it does more (a later torch, a patch), they call the overload, and train the
+    same."""
+    torch.manual_seed(0)
+    base = Stack([_Pointwise(), Counting()])
+    expected = train(copy.deepcopy(base), "plain", _input, steps=3)  # un-applied
+    seen = collections.Counter()
+    plain = torch._ops.OpOverload.__call__
+
+    def call(self, /, *args, **kwargs):
+        seen[self] += 1
+        return self._op(*args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", call)
+    assert not policy.calls_op_directly()
+    assert _compat._probe_op_call() == "OpOverload.__call__ does more than call the overload's _op"
+    model = copy.deepcopy(base)
+    hyperac.apply(model, mode="selective", backend="cpu", layers="layers")
+    assert differences(expected, train(model, "plain", _input, steps=3)) == []
+    assert seen[torch.ops.aten.sin.default] >= 3 * 2  # forward and replay, each step
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", plain)
+    assert policy.calls_op_directly() and _compat._probe_op_call() is None
