@@ -468,6 +468,17 @@ def _probe_checkpoint_hooks() -> str | None:
     return probe_checkpoint_hooks(again=True)
 
 
+def _probe_op_call() -> str | None:
+    from .policy import calls_op_directly
+
+    if not calls_op_directly():
+        return "OpOverload.__call__ does more than call the overload's _op"
+    mul, x = torch.ops.aten.mul.Tensor, torch.full((2,), 0.5)
+    if not torch.equal(mul._op(x, x), mul(x, x)):
+        return "an OpOverload's _op does not compute what the overload does"
+    return None
+
+
 def _probe_local_scalar_dense_on_meta() -> str | None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -521,6 +532,8 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
     "weak_holders, recomp_counter, recomputed, is_recomputed, early_stop, ignore_saved_mismatch; _Holder, _Handle, "
     "_StopRecomputationError": (
         "region_saves.py (checkpoint's hooks' work done in the region's pair)", _probe_checkpoint_hooks),
+    "OpOverload._op, which OpOverload.__call__ only forwards to": (
+        "policy.py (the selective modes run an aten op through it; where not, through the overload)", _probe_op_call),
     "aten::_local_scalar_dense on meta (answered by a dispatch mode)": (
         "planner/profile.py (.item() of a meta model's tensors)", _probe_local_scalar_dense_on_meta),
 }

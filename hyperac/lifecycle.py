@@ -69,28 +69,32 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from .op_identity import fills_buffers
-
 __all__ = ["HookOps", "region_entry", "stacks_note"]
 
 
-def _call_frames() -> tuple[frozenset[types.CodeType], frozenset[tuple[types.CodeType, int]]]:
-    """The code of ``nn.Module.__call__``'s frames, and the (code, line) pairs where they call ``forward``."""
+def _call_frames() -> tuple[dict[int, types.CodeType], frozenset[tuple[int, int]]]:
+    """The code of ``nn.Module.__call__``'s frames (by ``id``), and the (code ``id``, line) pairs where they call
+    ``forward``.
+
+    By ``id``, not by the code object: a code object hashes its bytecode and constants on every lookup (``hash``
+    of ``_call_impl``'s takes 0.4 us), and the look up the stack asks once or twice per frame. The dict holds
+    the code objects, so their ids stay theirs."""
     outer = nn.Module._call_impl.__code__
     codes = [outer, *(const for const in outer.co_consts if isinstance(const, types.CodeType))]
     forward_lines = frozenset(
-        (code, instruction.positions.lineno)
+        (id(code), instruction.positions.lineno)
         for code in codes
         for instruction in dis.get_instructions(code)
         if instruction.argval == "forward_call" and instruction.opname.startswith("LOAD")
         and instruction.positions is not None and instruction.positions.lineno is not None
     )
-    return frozenset(codes), forward_lines
+    return {id(code): code for code in codes}, forward_lines
 
 
 _CALL_CODES, _FORWARD_LINES = _call_frames()
-_REGION_CODES: set[types.CodeType] = set()
-"""The code that calls a region's forward, in forward and in each replay (:func:`region_entry`)."""
+_REGION_CODES: dict[int, types.CodeType] = {}
+"""The code (by ``id``, holding it) that calls a region's forward, in forward and in each replay
+(:func:`region_entry`)."""
 _GETATTR = nn.Module.__getattr__.__code__
 _WRAPPERS = ("torch._", "torch.utils.", "torch.compiler", "contextlib", "functools")
 """Modules of the decorators a hook may be wrapped in (``torch.no_grad()``, ``torch.compiler.disable``):
@@ -113,27 +117,29 @@ class HookOps:
         self.activations: set[int] = set()
         self.derives = False
 
-    def owns(self, args: tuple, collective: bool, alias: bool = False, op: object = None) -> bool:
+    def owns(self, args: tuple, collective: bool, alias: bool = False, fills: bool = False) -> bool:
         """Whether the op being dispatched (called with ``args``; ``collective``: it communicates; ``alias``: it
         returns a view of its input and computes nothing, so a view of a parameter or of a parameter's view is
-        on no tape; ``op``: the op, whose name tells a collective that writes into buffers it is given, as a
-        parameter all-gather does) is a stack's, not the layer's. Call it from a dispatch mode's
-        ``__torch_dispatch__`` through one method, and :meth:`ran` with the op's output where it answers
-        ``True``."""
+        on no tape; ``fills``: a collective that writes into buffers it is given, as a parameter all-gather
+        does) is a stack's, not the layer's. Call it from a dispatch mode's ``__torch_dispatch__`` itself (it
+        looks up the stack from that method's caller), and :meth:`ran` with the op's output where it answers
+        ``True``. Most ops answer in a few statements (NOTE [Per op, not per call] in policy.py): a view of a
+        parameter is the stack's, an op on what autograd tracks the layer's; only the others look up the
+        stack."""
         if alias:  # an aten view: its first argument is the tensor it views
             viewed = args[0] if args[0]._base is None else args[0]._base
             if issubclass(type(viewed), nn.Parameter):  # not isinstance: Parameter's metaclass asks in Python
                 self.derives = False
                 return True  # a view of a parameter computes nothing: on no tape (FSDP1's, of its flat parameter)
-        if torch.is_grad_enabled() and any(
-            isinstance(arg, torch.Tensor) and arg.requires_grad and not (alias and arg.is_leaf) for arg in args
-        ):
-            return False  # computes on what autograd tracks: the layer's own (the common case, no look up the stack)
-        frame = sys._getframe(3)  # the op's caller (past this, the mode's method, its __torch_dispatch__)
+        if torch.is_grad_enabled():
+            for arg in args:  # a loop, not any() over a generator: a third of the cost, on every op
+                if isinstance(arg, torch.Tensor) and arg.requires_grad and not (alias and arg.is_leaf):
+                    return False  # computes on what autograd tracks: the layer's own (no look up the stack)
+        frame = sys._getframe(2)  # the op's caller (past this and the mode's __torch_dispatch__)
         walked: list[types.FrameType] = []
         while frame is not None:
             code = frame.f_code
-            if code in _REGION_CODES:
+            if id(code) in _REGION_CODES:
                 return False  # what runs the region differs between its forward and its replay: not looked at
             if code is _GETATTR:
                 if not walked:
@@ -141,11 +147,11 @@ class HookOps:
                 self.stacks.add(_package(walked))
                 self.derives = False
                 return True
-            if code in _CALL_CODES:
+            if id(code) in _CALL_CODES:
                 if not walked:
                     return False
-                if (code, frame.f_lineno) in _FORWARD_LINES:
-                    if not (collective and fills_buffers(op) and _reads_parameters(frame, args)):
+                if (id(code), frame.f_lineno) in _FORWARD_LINES:
+                    if not (collective and fills and _reads_parameters(frame, args)):
                         return False
                     self.stacks.add(_package(walked))  # a wrapper's forward gathering its parameters (FSDP1)
                     self.derives = False
@@ -193,7 +199,7 @@ def region_entry(function: Callable[..., object]) -> Callable[..., object]:
     """Mark ``function`` as what calls a recompute region's forward: :class:`HookOps` looks up the stack no further.
     Above it the forward has the layer's own ``nn.Module.__call__`` and its caller, the replay the backward's
     frames: a module found there would tell the forward's op from the replay's."""
-    _REGION_CODES.add(function.__code__)
+    _REGION_CODES[id(function.__code__)] = function.__code__
     return function
 
 

@@ -52,7 +52,7 @@ import functools
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import checkpoint as torch_recompute
@@ -69,7 +69,7 @@ from .op_identity import communicates, fills_buffers, key_length
 from .replay.random_sources import GeneratorStates, draws_since, restore_generators, watch_generators
 from .replay.replay_check import cast_of_a_leaf, divergence
 
-__all__ = ["OpSets", "SelectivePolicy", "resolve_op_sets", "routing_ops", "weighing_attention_at"]
+__all__ = ["OpInfo", "OpSets", "SelectivePolicy", "resolve_op_sets", "routing_ops", "weighing_attention_at"]
 
 _MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul",
@@ -143,6 +143,51 @@ def _all_overloads(qualified_names: tuple[str, ...]) -> frozenset:
 _OTHER, _IGNORED, _MATMUL, _KEEP, _ATTENTION, _ROUTE, _COLLECTIVE, _ONCE = range(8)
 
 
+class OpInfo(NamedTuple):
+    """What the recording and replay modes ask of an op on every call, answered once per op by
+    :meth:`OpSets.classify` (all of it depends on the op alone: its sets, its schema, its type).
+
+    NOTE [Per op, not per call]
+    A dispatch mode runs its ``__torch_dispatch__`` for every op of every region invocation, forward and
+    replay, and at a host-bound step that Python is the step (issue 33: torchtitan's selective modes do
+    less per op). Everything a mode decides from the op alone (its kind, the arguments it writes,
+    whether it is a view, whether it is a collective that fills the buffers it is given) is read once,
+    when the op is first seen, and unpacked from one tuple per call; only what depends on the
+    arguments (which tensors autograd tracks, the stack for a sharding stack's hooks) is asked per
+    call."""
+
+    kind: int
+    writes: tuple[tuple[int, str], ...]
+    """``(position, name)`` of each argument the schema says the op writes into."""
+    keyed: bool
+    """A higher-order op: keyed on the tape by ``_sac_storage_key``, not by the op."""
+    unannotated: bool
+    """Its output may share an input's storage with a version counter of its own (NOTE [Aliases with
+    their own version counter])."""
+    view: bool
+    """An aten view (``OpOverload.is_view``): it returns an alias of its first argument and computes
+    nothing (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py)."""
+    fills: bool
+    """A collective that writes into the tensors it is given (:func:`~hyperac.op_identity.fills_buffers`)."""
+    run: Callable[..., Any]
+    """What runs the op: an overload's ``_op``, the builtin its ``__call__`` forwards to (one Python frame less
+    per op, a fifth of a microsecond), where :func:`calls_op_directly`; else the op itself."""
+
+
+def _forwarding(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+    return self._op(*args, **kwargs)
+
+
+def calls_op_directly() -> bool:
+    """Whether ``OpOverload.__call__`` only forwards to the overload's ``_op`` (its bytecode is
+    :func:`_forwarding`'s; torch-private: NOTE [Every private torch piece] in _compat.py), which the modes then
+    call instead; where a torch release (or a patch) does more there, they call the overload, slower and the
+    same. Asked once per :class:`OpSets`."""
+    call = getattr(torch._ops.OpOverload.__call__, "__code__", None)
+    return (call is not None and call.co_code == _forwarding.__code__.co_code and call.co_names == ("_op",)
+            and callable(getattr(torch.ops.aten.mm.default, "_op", None)))
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSets:
     """Dispatcher overloads, resolved once per :func:`hyperac.apply`. Immutable: the sets are
@@ -165,11 +210,13 @@ class OpSets:
     as much per byte as a matmul (NOTE [Attention kept by its cost per byte]); empty with ``save_ops``."""
 
     def __post_init__(self) -> None:
-        # ``id(op) -> ((kind, written arguments, keyed, unannotated alias), op)``, filled as ops are
-        # first seen; ids are stable because the cache also holds the op (ops are never freed while
-        # it exists).
+        # ``id(op) -> (OpInfo, op)``, filled as ops are first seen; ids are stable because the cache
+        # also holds the op (ops are never freed while it exists). The modes read the dict itself
+        # (``lookup``: its ``get``, half the cost of the read-only view's).
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "table", types.MappingProxyType(self._cache))
+        object.__setattr__(self, "lookup", self._cache.get)
+        object.__setattr__(self, "direct", calls_op_directly())
         # ``id`` of each routing op, for the ``full`` mode's routing modes (replay/routing.py); stable, as the
         # set holds the ops.
         object.__setattr__(self, "routing_ids", frozenset(id(op) for op in self.routing))
@@ -179,10 +226,8 @@ class OpSets:
         return OpSets, (self.matmul, self.keep, self.routing, self.ignored, self.communication, self.save_ops,
                         self.attention)
 
-    def classify(self, op: Any) -> tuple[int, tuple[tuple[int, str], ...], bool, bool]:
-        """``(kind, written arguments, keyed, unannotated alias)`` of ``op``; cached. The last: its
-        output may share an input's storage with a version counter of its own
-        (NOTE [Aliases with their own version counter])."""
+    def classify(self, op: Any) -> OpInfo:
+        """What ``op`` is to the recording and replay modes (NOTE [Per op, not per call]); cached."""
         entry = self._cache.get(id(op))
         if entry is not None:
             return entry[0]
@@ -213,7 +258,9 @@ class OpSets:
             writes = higher_order.written_arguments(op)
         unannotated = (keyed or schema is None or schema.name in _UNANNOTATED_ALIAS_OPS
                        or not schema.name.startswith("aten::"))
-        info = (kind, writes, keyed, unannotated)
+        info = OpInfo(kind, writes, keyed, unannotated, view=bool(getattr(op, "is_view", False)),  # a HOP has none
+                      fills=kind == _COLLECTIVE and fills_buffers(op),
+                      run=op._op if self.direct and type(op) is torch._ops.OpOverload else op)  # not a subclass
         self._cache[id(op)] = (info, op)
         return info
 
@@ -455,9 +502,13 @@ class _Kept:
     def intact(self) -> bool:
         """No write changed a kept tensor, through itself or any alias met in the forward, since it
         was kept (or last replaced by a copy)."""
-        return all(
-            version is None or leaf._version == version for leaf, version in zip(self.leaves, self.versions)
-        ) and all(alias._version == version for _, alias, version in self.aliases)
+        for leaf, version in zip(self.leaves, self.versions):  # loops, not all(): once per kept op in each replay
+            if version is not None and leaf._version != version:
+                return False
+        for _, alias, version in self.aliases:
+            if alias._version != version:
+                return False
+        return True
 
     def replace(self, position: int, copy: torch.Tensor) -> None:
         """Hold ``copy``, hyperac's own, instead of the leaf at ``position``: no alias reaches it."""
@@ -485,7 +536,11 @@ class _Kept:
 
 def _shapes(args: tuple) -> tuple:
     """The shapes of the tensors among an op's positional arguments."""
-    return tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor))
+    shapes = []
+    for arg in args:  # a loop, not a generator: twice per kept op (NOTE [Per op, not per call])
+        if isinstance(arg, torch.Tensor):
+            shapes.append(arg.shape)
+    return tuple(shapes)
 
 
 def _fills_first_argument(op: Any) -> bool:
@@ -599,15 +654,12 @@ class _EagerMode(TorchDispatchMode):
         """What sharding stacks' module hooks run in the region: not its program (NOTE [Parameter lifecycles
         are not the layer's program] in lifecycle.py)."""
 
-    def _stack_op(self, func: Any, args: tuple, kwargs: dict, kind: int) -> tuple[bool, Any]:
-        """``(True, output)`` where the op is a sharding stack's parameter lifecycle, which runs as it is and
-        neither mode sees; ``(False, None)`` where it is the layer's."""
-        alias = getattr(func, "is_view", False)  # a higher-order op has no is_view
-        if not self.hook_ops.owns(args, kind == _COLLECTIVE, alias, func):
-            return False, None
-        out = func(*args, **kwargs)
+    def _stack_op(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run (``run``: the op or what runs it) an op :meth:`HookOps.owns` says is a sharding stack's parameter
+        lifecycle: as it is, seen by neither mode."""
+        out = run(*args, **kwargs)
         self.hook_ops.ran(out)
-        return True, out
+        return out
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -672,7 +724,7 @@ class _RecordingMode(_EagerMode):
         self.tape = tape
         self.hook_ops.stacks = tape.stacks  # named in the error of a replay that diverges
         self.policy = policy
-        self.table = policy.ops.table
+        self.lookup = policy.ops.lookup
         self.on_save = on_save
         """Called with each tensor kept (a swap group moves it to host memory)."""
         self.on_watch = on_watch
@@ -706,20 +758,20 @@ class _RecordingMode(_EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        entry = self.table.get(id(func))
-        kind, writes, keyed, unannotated = self.policy.ops.classify(func) if entry is None else entry[0]
+        entry = self.lookup(id(func))
+        kind, writes, keyed, unannotated, view, fills, run = (self.policy.ops.classify(func) if entry is None
+                                                             else entry[0])
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
-            return func(*args, **kwargs)
-        stack_op, out = self._stack_op(func, args, kwargs, kind)
-        if stack_op:
-            return out
+            return run(*args, **kwargs)
+        if self.hook_ops.owns(args, kind == _COLLECTIVE, view, fills):
+            return self._stack_op(run, args, kwargs)
         if writes and self.kept_storages:
             self._copy_before_write(writes, args, kwargs)
         versions = higher_order.tensor_versions(args, kwargs) if kind == _ONCE else None
         keeps = kind >= _COLLECTIVE or (kind >= _MATMUL and not forced_recompute.get()  # collectives, once-ops
                                          and self.policy.keeps(kind, func, args))
         generators = watch_generators(args, kwargs) if keeps else None  # NOTE [Kept ops that draw random numbers]
-        out = func(*args, **kwargs)
+        out = run(*args, **kwargs)
         if unannotated and self.kept_storages:
             self._watch_aliases(out)
         self.tape.keys.append(_storage_key(func, args) if keyed else func)
@@ -729,7 +781,7 @@ class _RecordingMode(_EagerMode):
         arguments = (args, kwargs) if kind == _COLLECTIVE else None
         self.tape.entries.append(self._keep(out, draws_since(generators), arguments, args, kind == _ROUTE, func)
                                  if keeps else None)
-        if not keeps and getattr(func, "is_view", False) and not args[0].requires_grad:  # NOTE [Views a replay ...]
+        if not keeps and view and not args[0].requires_grad:  # NOTE [Views a replay may skip]
             self.tape.views.add(len(self.tape.entries) - 1)
         if kind >= _ROUTE or keyed:  # routes, collectives and higher-order ops are never pruned
             self.never_pruned.add(len(self.tape.entries) - 1)
@@ -815,7 +867,8 @@ class _AutogradSaves:
         node = tensor.grad_fn
         if node is not None and node._sequence_nr() >= self.first:
             storage = tensor.untyped_storage()
-            if not self._has(storage):
+            ref = self.saved.get(storage._cdata)
+            if ref is None or ref() is not storage:  # not self._has(storage), without a call per saved tensor
                 self.saved[storage._cdata] = ref = weakref.ref(storage)
                 self.sizes.append((ref, storage.nbytes()))
         return self.pack(tensor)
@@ -892,7 +945,7 @@ class _ReplayMode(_EagerMode):
         self.tape = tape
         self.hook_ops.stacks = tape.stacks  # named in the error of a replay that diverges
         self.ops = ops
-        self.table = ops.table
+        self.lookup = ops.lookup
         self.before_replay = before_replay
         self.cursor = 0
 
@@ -954,27 +1007,26 @@ class _ReplayMode(_EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        entry = self.table.get(id(func))
-        kind, _, keyed, _ = self.ops.classify(func) if entry is None else entry[0]
+        entry = self.lookup(id(func))
+        kind, _, keyed, _, view, fills, run = self.ops.classify(func) if entry is None else entry[0]
         if kind == _IGNORED or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
-            return func(*args, **kwargs)
-        stack_op, out = self._stack_op(func, args, kwargs, kind)
-        if stack_op:
-            return out
+            return run(*args, **kwargs)
+        if self.hook_ops.owns(args, kind == _COLLECTIVE, view, fills):
+            return self._stack_op(run, args, kwargs)
         tape, index = self.tape, self.cursor
         key = _storage_key(func, args) if keyed else func
         if index >= len(tape.keys) or (tape.keys[index] is not key and tape.keys[index] != key) or func is _TO_COPY:
             index = self._realign(key, func, args, kwargs)
             if index is None:
-                return func(*args, **kwargs)
+                return run(*args, **kwargs)
         self.cursor = index + 1
         kept = tape.entries[index]
         if kept is None:
-            return func(*args, **kwargs)
+            return run(*args, **kwargs)
         if kept is _CONSUMED or not kept.lasting:
             tape.entries[index] = _CONSUMED
         if kept is _CONSUMED or not kept.intact():
-            return func(*args, **kwargs)
+            return run(*args, **kwargs)
         if kept.shapes != _shapes(args):  # NOTE [Kept outputs that no longer fit]
             raise unfit(tape.layer, tape.index, f"op {index} of {len(tape.keys)} ({func})", kept.shapes, args)
         if kept.rng is not None:

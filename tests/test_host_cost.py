@@ -5,6 +5,7 @@ reading only the routing ops. Each with its fallback where a probe fails."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import sys
 
@@ -17,6 +18,7 @@ from torch.utils import checkpoint as torch_recompute
 
 import hyperac
 import hyperac.recompute
+from hyperac import _compat, lifecycle, policy
 from hyperac.replay import python_state, region_saves
 
 _CHECKPOINT_PACKS = {"pack_hook", "unpack_hook"}
@@ -211,3 +213,73 @@ def test_a_full_apply_resolves_no_op_sets_per_layer(monkeypatch):
     _step(model)
     _step(model)
     assert calls == []
+
+
+# --- the selective modes' work per op -----------------------------------------------------------------------
+
+class _Pointwise(nn.Module):
+    """Only ops on what autograd tracks, none of them kept: the selective modes' common path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale).sin().cos()
+
+
+def test_an_ordinary_op_costs_the_selective_modes_one_python_call():
+    """NOTE [Per op, not per call] in policy.py: for an op on what autograd tracks, the recording and the replay
+    modes' ``__torch_dispatch__`` calls one Python function, :meth:`HookOps.owns`, which calls none (no generator,
+    no look up the stack), and runs the op without ``OpOverload.__call__``; what depends on the op alone was
+    read when it was first seen."""
+    torch.manual_seed(0)
+    model = Stack([_Pointwise(), _Pointwise()])
+    hyperac.apply(model, mode="selective", backend="cpu", layers="layers")
+    _step(model)  # the ops first seen
+    modes = {policy._RecordingMode.__torch_dispatch__.__code__: "record",
+             policy._ReplayMode.__torch_dispatch__.__code__: "replay"}
+    owns = lifecycle.HookOps.owns.__code__
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        if frame.f_code in modes:
+            calls[modes[frame.f_code]] += 1
+        elif frame.f_back is not None and (frame.f_back.f_code in modes or frame.f_back.f_code is owns):
+            calls[(frame.f_back.f_code.co_name, frame.f_code.co_name)] += 1
+
+    sys.setprofile(profile)
+    try:
+        _step(model)
+    finally:
+        sys.setprofile(None)
+    assert calls["record"] >= 6 and calls["replay"] >= 6, calls  # 3 ops per layer, 2 layers, each way
+    assert set(calls) == {"record", "replay", ("__torch_dispatch__", "owns")}, calls
+    assert calls["__torch_dispatch__", "owns"] <= calls["record"] + calls["replay"]
+
+
+def test_where_an_op_overload_does_more_than_call_its_op_the_modes_call_the_overload(monkeypatch):
+    """The modes run an overload's ``_op`` only where ``OpOverload.__call__`` does nothing else (NOTE [Per op, not
+    per call] in policy.py); where it does more (a later torch, a patch), they call the overload, and train the
+    same."""
+    torch.manual_seed(0)
+    base = Stack([_Pointwise(), Counting()])
+    expected = train(copy.deepcopy(base), "plain", _input, steps=3)  # un-applied
+    seen = collections.Counter()
+    plain = torch._ops.OpOverload.__call__
+
+    def call(self, /, *args, **kwargs):
+        seen[self] += 1
+        return self._op(*args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", call)
+    assert not policy.calls_op_directly()
+    assert _compat._probe_op_call() == "OpOverload.__call__ does more than call the overload's _op"
+    model = copy.deepcopy(base)
+    hyperac.apply(model, mode="selective", backend="cpu", layers="layers")
+    assert differences(expected, train(model, "plain", _input, steps=3)) == []
+    assert seen[torch.ops.aten.sin.default] >= 3 * 2  # forward and replay, each step
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", plain)
+    assert policy.calls_op_directly() and _compat._probe_op_call() is None

@@ -132,5 +132,29 @@ def test_op_sets_are_immutable_and_their_cache_read_only():
     assert clone == ops and hash(clone) == hash(ops) and not clone.table
 
 
+def test_what_the_modes_ask_of_an_op_is_read_once_per_op():
+    """NOTE [Per op, not per call] in policy.py: :meth:`OpSets.classify` answers, once per op, whether it is a
+    view, whether it is a collective that fills the buffers it is given, what it writes, and what runs it."""
+    from hyperac.backends import get_backend
+    from hyperac.policy import _COLLECTIVE, resolve_op_sets
+
+    ops = resolve_op_sets(get_backend("cpu"))
+    aten = torch.ops.aten
+    view = ops.classify(aten.view.default)
+    assert view.view and not view.fills and view.run is aten.view.default._op
+    assert ops.classify(aten.view.default) is view
+    assert ops.classify(aten.t.default).view and ops.classify(aten.slice.Tensor).view
+    assert not ops.classify(aten.mm.default).view
+    assert not ops.classify(aten._unsafe_view.default).view  # no alias in its schema (NOTE [Aliases with ...])
+    assert ops.classify(aten.add_.Tensor).writes == ((0, "self"),)
+    gather = ops.classify(torch.ops.c10d.allgather_.default)
+    assert gather.kind == _COLLECTIVE and gather.fills and not gather.view
+    functional = ops.classify(torch.ops._c10d_functional.all_gather_into_tensor.default)
+    assert functional.kind == _COLLECTIVE and not functional.fills
+    assert not ops.classify(aten.copy_.default).fills  # not a collective
+    cond = ops.classify(torch.ops.higher_order.cond)
+    assert cond.keyed and not cond.view and cond.run is torch.ops.higher_order.cond
+
+
 def _all_mm_overloads():
     return [getattr(torch.ops.aten.mm, name) for name in torch.ops.aten.mm.overloads()]

@@ -153,11 +153,6 @@ class _Profiler(StepMode):
         self.routes: dict[int, int] = defaultdict(int)
         self.hook_ops = HookOps()
 
-    def _stack_route(self, args: tuple) -> bool:
-        """A routing op a sharding stack's parameter hook runs: no route (NOTE [Routing is kept] in
-        replay/routing.py)."""
-        return self.hook_ops.owns(args, False)
-
     def boundary(self, position: int, kind: str) -> None:
         if kind == "backward-start":
             self.backward_layer = position
@@ -212,7 +207,8 @@ class _Profiler(StepMode):
             self.flops[owner] += flops
         self.ops[self.backward][owner] += 1
         inputs, outputs = op_tensors((args, kwargs)), op_tensors(out)
-        if id(func) in self.routing and owner is not None and not self.backward and not self._stack_route(args):
+        # A routing op a sharding stack's parameter hook runs is no route (NOTE [Routing is kept] in replay/routing.py).
+        if id(func) in self.routing and owner is not None and not self.backward and not self.hook_ops.owns(args, False):
             self.routes[owner] += sum(t.nbytes for t in outputs)
         moved = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
         self.work[owner].append((flops, moved, outputs[0].dtype if outputs else None))

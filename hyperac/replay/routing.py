@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..policy import _ROUTE, OpSets, _EagerMode, _shapes, bypass_replay, unfit
+from ..policy import OpSets, _EagerMode, _shapes, bypass_replay, unfit
 from .replay_check import divergence
 
 __all__ = ["RoutesSeen", "routes_in_full"]
@@ -101,12 +101,12 @@ class _KeptRoutes(_EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if id(func) not in self.routing or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **(kwargs or {}))
-        stack_op, out = self._stack_op(func, args, kwargs or {}, _ROUTE)
-        if not stack_op:
-            out = func(*args, **(kwargs or {}))
-            self.routes.ops.append(func)
-            self.routes.outputs.append(_copy(out))
-            self.routes.shapes.append(_shapes(args))
+        if self.hook_ops.owns(args, False):
+            return self._stack_op(func, args, kwargs or {})
+        out = func(*args, **(kwargs or {}))
+        self.routes.ops.append(func)
+        self.routes.outputs.append(_copy(out))
+        self.routes.shapes.append(_shapes(args))
         return out
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -131,9 +131,8 @@ class _ReplayedRoutes(_EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if id(func) not in self.routing or bypass_replay.get() or torch._C._current_graph_task_id() != self.task:
             return func(*args, **(kwargs or {}))
-        stack_op, out = self._stack_op(func, args, kwargs or {}, _ROUTE)
-        if stack_op:
-            return out
+        if self.hook_ops.owns(args, False):
+            return self._stack_op(func, args, kwargs or {})
         routes, position = self.routes, self.cursor
         self.cursor += 1
         where = f"routing op {position} of {len(routes.ops)}"
