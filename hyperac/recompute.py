@@ -319,20 +319,14 @@ class _CacheAsBefore:
 # against such writes would cost what recompute saves. So the region notes the version counter of
 # each tensor argument as its forward starts; a counter that moved by the end of the forward, or by
 # the start of a replay, raises :class:`InputWrittenError` naming the layer and ``layers={i: "off"}``,
-# which leaves the layer's saved tensors to autograd. For the replay to get that far, checkpoint is
-# given (and saves) each plain positional tensor as an alias on the same storage with a version
-# counter of its own (``_unsafe_view``, no copy), which no one else holds, so torch's version check
-# of its saved inputs passes; the layer's forward still gets the caller's tensors themselves, so its
-# autograd graph is the un-applied one, node for node (gradients accumulate in the same order), and
-# a write into them, or into what the layer returned of them, moves the counters the region watches.
-# Under swap the saved inputs are passed as they are (an alias would make swap see their storage as
-# shared) and the region lets go of them after the forward, so swap can free or move them: there,
-# only writes during the forward are caught, and a caller's later write meets torch's check.
-# Checked only where the region runs eagerly (under torch.compile a traced region is the
-# compiler's); tensor subclasses (DTensor) are passed on as they are, and so is a view of a parameter
-# (DETR's query position embeddings): the selective modes leave views of parameters off their tape
-# (NOTE [Parameter lifecycles are not the layer's program] in lifecycle.py), so the replay must get
-# one as its forward did; a caller's later write into it meets torch's check.
+# which leaves the layer's saved tensors to autograd. The replay's check runs in the region's unpack
+# hook (NOTE [One hook pair per region] in replay/region_saves.py) before it calls checkpoint's, which
+# replays the region after checking the versions of the inputs it saved: so hyperac's error comes
+# first, and checkpoint is given the caller's tensors themselves (the layer's autograd graph is the
+# un-applied one, node for node). Under swap the region lets go of its positional inputs after the
+# forward, so swap can free or move them: there, only writes during the forward are caught, and a
+# caller's later write meets torch's check. Checked only where the region runs eagerly (under
+# torch.compile a traced region is the compiler's).
 
 def _tensor_arguments(args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     for position, value in enumerate(args):
@@ -363,13 +357,6 @@ _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 _SCALARS = frozenset({bool, int, float, str})
 
 
-def _with_own_counters(args: tuple) -> tuple:
-    """``args`` with each plain tensor but a parameter's view replaced by an alias (the same storage, no copy)
-    with a version counter of its own (NOTE [Inputs written in place])."""
-    return tuple(torch.ops.aten._unsafe_view.default(a, a.shape)
-                 if type(a) is torch.Tensor and not isinstance(a._base, nn.Parameter) else a for a in args)
-
-
 class _Region:
     """One recomputed call of a module's forward: ``torch.utils.checkpoint`` runs it once in forward
     and again for each replay (keyword arguments bound here, so none clash with checkpoint's own).
@@ -379,8 +366,6 @@ class _Region:
         self.call, self.kwargs, self.override = call, kwargs, override
         self.caches = [_CacheAsBefore(name, kwargs[name]) for name in CACHE_KWARGS if kwargs.get(name) is not None]
         self.watched = False
-        self.given: tuple | None = None
-        """The caller's positional arguments, which the layer's forward gets (NOTE [Inputs written in place])."""
         self.inputs: list[tuple[str, torch.Tensor, int]] = []
         """``(argument, tensor, version)`` of each tensor argument to check."""
         self.forward_done = False
@@ -390,7 +375,7 @@ class _Region:
 
     def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple, swapped: bool) -> Any:
         """The region's forward, ``start(...)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
-        self.watched, self.given = True, args
+        self.watched = True
         module = self.override.module_and_forward()[0]
         plain_kwargs = {name: value for name, value in self.kwargs.items() if name not in CACHE_KWARGS}
         state = self.override.snapshots.take(module, args, plain_kwargs)
@@ -398,14 +383,16 @@ class _Region:
         self.as_in_forward = [state, ForwardContext(), *([] if buffers is None else [buffers])]
         keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
         self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, {})] + keywords
-        try:
-            output = start(args if swapped else _with_own_counters(args))()
-        finally:
-            self.given = None
+        output = start(args)()
         self._check_inputs("by the layer's own forward")
         if swapped:  # let go of the positional inputs, which swap may free or move
             self.inputs = keywords
         return output
+
+    def _unwritten(self) -> None:
+        """Raise where an input was written since the forward (NOTE [Inputs written in place]): run before each
+        replay starts."""
+        self._check_inputs("after the layer returned")
 
     def _check_inputs(self, when: str) -> None:
         for name, tensor, version in self.inputs:
@@ -426,10 +413,8 @@ class _Region:
         if not self.forward_done:
             self.forward_done = True
             # NOTE [One hook pair per region] in replay/region_saves.py
-            with RegionSaves(replaying=False):
-                return self.call(*(args if self.given is None else self.given), **self.kwargs)
-        if self.watched:
-            self._check_inputs("after the layer returned")
+            with RegionSaves(replaying=False, before_replay=self._unwritten if self.watched else None):
+                return self.call(*args, **self.kwargs)
         replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.override.fqn) for cache in self.caches}}
         with contextlib.ExitStack() as stack:
             token = bypass_replay.set(True)  # copies of buffers are no ops of the region

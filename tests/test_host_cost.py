@@ -127,6 +127,15 @@ def test_where_the_probe_fails_regions_call_checkpoints_hooks_as_before(probe_fa
     _exact()
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_where_the_probe_fails_an_input_written_after_the_layer_returned_raises_hyperacs_error(probe_fails, mode):
+    """The region's unpack checks its inputs before checkpoint's replays (NOTE [Inputs written in place]), on the
+    path that calls checkpoint's hooks too."""
+    from test_ordinary_programs import test_input_written_in_place_raises_naming_the_layer_and_the_fix as written
+
+    written(mode, "after the layer returned")
+
+
 # --- the snapshot's comparisons by dict version --------------------------------------------------------------
 
 class Restless(Counting):

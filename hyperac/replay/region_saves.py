@@ -14,7 +14,9 @@ forward or replay starts: the pack keeps a fake tensor (a detached alias), or li
 fingerprint (in the same call, no comparison yet) in the list of the ``full`` context entered for this
 invocation (``armed_check``; a nested region, whose checkpoint gives it contexts of its own, takes none),
 which compares the replay's list with the forward's as the replay ends, then hands it to the hooks below;
-the unpack gives a kept fake back, or reads through checkpoint's unpack, replaying again for a second read.
+the unpack gives a kept fake back, or reads through checkpoint's unpack, replaying again for a second read,
+and before a read that replays checks that the region's inputs were not written since its forward (NOTE
+[Inputs written in place] in recompute.py).
 The unpack, which autograd holds as long as the saved tensor, holds checkpoint's frame and the unpack below
 only (not the pack below's owner: a swap group). The freed-saves watch (freed_saves.py) runs on a region's
 first forward only and stays a pair of its own.
@@ -115,10 +117,13 @@ class RegionSaves:
     """While entered, the one hook pair of a region's forward (``replaying=False``) or replay (NOTE [One
     hook pair per region]); with no hooks in effect (no checkpoint around), nothing changes."""
 
-    __slots__ = ("entries", "first", "frame", "gid", "pack", "pushed", "replaying")
+    __slots__ = ("before_replay", "entries", "first", "frame", "gid", "pack", "pushed", "replaying")
 
-    def __init__(self, replaying: bool) -> None:
+    def __init__(self, replaying: bool, before_replay: Callable[[], None] | None = None) -> None:
         self.replaying = replaying
+        self.before_replay = before_replay
+        """Run by the forward's unpack before a read that replays the region (NOTE [Inputs written in place] in
+        recompute.py)."""
         self.pushed = False
         self.entries: list[Any] = []
         self.first = 0
@@ -143,7 +148,7 @@ class RegionSaves:
         pack = self._pack if check is None else self._fingerprinted
         inline = frame is not None and _inline and getattr(unpack, "__code__", None) is _CODES[1]  # type: ignore[index]
         torch._C._autograd._push_saved_tensors_default_hooks(
-            pack, functools.partial(_unpack_inline if inline else _unpack, frame, unpack))
+            pack, functools.partial(_unpack_inline if inline else _unpack, frame, unpack, self.before_replay))
         self.pushed = True
 
     def __exit__(self, *exc: Any) -> None:
@@ -205,15 +210,19 @@ _Stop = torch_recompute._StopRecomputationError
 _UNREAD = object()
 
 
-def _unpack(frame: Any, unpack: Callable[[Any], torch.Tensor], saved: Any) -> torch.Tensor:
+def _unpack(frame: Any, unpack: Callable[[Any], torch.Tensor], before_replay: Callable[[], None] | None,
+            saved: Any) -> torch.Tensor:
     if type(saved) is _Fake:
         return saved.tensor
+    if before_replay is not None:
+        before_replay()
     if frame is None or None not in saved.handles.values():  # read by no backward yet: a first read
         return unpack(saved)
     return read_again(frame, unpack, saved)
 
 
-def _unpack_inline(frame: Any, unpack: Callable[[Any], torch.Tensor], saved: Any) -> torch.Tensor:
+def _unpack_inline(frame: Any, unpack: Callable[[Any], torch.Tensor], before_replay: Callable[[], None] | None,
+                   saved: Any) -> torch.Tensor:
     """:func:`_unpack`, handing out a value the replay has filed itself (NOTE [Checkpoint's hooks in the
     region's pair]); the first read of a backward (which replays), a second read and a read outside a
     backward go through checkpoint's unpack."""
@@ -223,10 +232,11 @@ def _unpack_inline(frame: Any, unpack: Callable[[Any], torch.Tensor], saved: Any
     if gid is None:
         gid = torch._C._current_graph_task_id()
     handle = saved.handles.get(gid, _UNREAD)
-    if handle is _UNREAD or gid == -1 or not frame.is_recomputed.get(gid):
-        return unpack(saved)
-    if handle is None:
-        return read_again(frame, unpack, saved)
+    first = handle is _UNREAD or gid == -1 or not frame.is_recomputed.get(gid)
+    if first or handle is None:  # a read that replays
+        if before_replay is not None:
+            before_replay()
+        return unpack(saved) if first else read_again(frame, unpack, saved)
     value = frame.recomputed[gid].data[weakref.ref(handle)]
     saved.handles[gid] = None
     return value
