@@ -54,7 +54,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import checkpoint as torch_recompute
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .replay_check import NODE_MAKERS, armed_check, full_replay_contexts, maker, node_maker
+from .replay_check import FIELDS, NODE_MAKERS, armed_check, full_replay_contexts, maker, node_maker
 from .reread import checkpoint_frame, read_again
 
 __all__ = ["RegionSaves", "probe_checkpoint_hooks"]
@@ -178,7 +178,7 @@ class RegionSaves:
             made_by = NODE_MAKERS.get(type(node)) or node_maker(node)
             if made_by == "ToCopyBackward0":
                 made_by = maker(tensor, self.first)
-        self.entries.append((made_by, tensor.shape, tensor.dtype))
+        self.entries += made_by, tensor.shape, tensor.dtype  # one fingerprint, flat (replay_check.FIELDS)
         frame = self.frame
         if frame is None:
             return self.pack(tensor)  # type: ignore[misc]
@@ -285,7 +285,7 @@ def _probe() -> str | None:
     grad = torch.autograd.grad(out, x, retain_graph=True)[0]
     again = torch.autograd.grad(out, x)[0]
     frame = frames[0]
-    if frame is None or not frame.ignore_saved_mismatch or len(frame.weak_holders) != len(forward.entries):
+    if frame is None or not frame.ignore_saved_mismatch or len(frame.weak_holders) * FIELDS != len(forward.entries):
         return "checkpoint's frame was not found, or the region's pair did not hold its saved tensors"
     if not (torch.equal(grad, expected) and torch.equal(again, expected)):
         return "a region whose pair does checkpoint's hooks' work gave another gradient"

@@ -54,8 +54,8 @@ import torch
 
 from ..errors import RecomputeMismatchError
 
-__all__ = ["NODE_MAKERS", "RESHAPES", "armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts", "maker",
-           "node_maker"]
+__all__ = ["FIELDS", "NODE_MAKERS", "RESHAPES", "armed_check", "cast_of_a_leaf", "divergence", "full_replay_contexts",
+           "maker", "node_maker"]
 
 _LIKELY_CAUSES = (
     "The layer's training forward reads state that changed between its forward and its replay and that hyperac "
@@ -152,7 +152,8 @@ class _Fingerprint:
     __slots__ = ("entries", "index", "layer", "lenient", "under_modes")
 
     def __init__(self, layer: str, index: int | None, lenient: bool) -> None:
-        self.entries: list[tuple[str | None, tuple[int, ...], torch.dtype]] = []
+        self.entries: list[Any] = []
+        """Each saved tensor's fingerprint, its :data:`FIELDS` items one after the other (no tuple per tensor)."""
         self.layer, self.index, self.lenient = layer, index, lenient
         self.under_modes = False
         """Whether the forward ran under a dispatch mode (NOTE [Every replay is checked])."""
@@ -161,13 +162,13 @@ class _Fingerprint:
 class _Hooked:
     """Sees each tensor saved for backward while entered, through the region's hook pair (NOTE [One hook
     pair per region] in region_saves.py), which takes it with :func:`armed_check` as the region starts and
-    lists each tensor's fingerprint in :attr:`entries`: ``(maker(tensor, first), shape, dtype)``."""
+    lists each tensor's fingerprint in :attr:`entries`: ``maker(tensor, first), shape, dtype``, flat."""
 
     def __init__(self, fingerprint: _Fingerprint) -> None:
         self.fingerprint = fingerprint
         self.first = 0
         self.token: Any = None
-        self.entries: list[tuple[str | None, tuple[int, ...], torch.dtype]] = []
+        self.entries: list[Any] = []
 
     def __enter__(self) -> None:
         self.first = torch._C._autograd._get_sequence_nr()
@@ -215,9 +216,9 @@ class _Checking(_Hooked):
 
     def __exit__(self, exc_type: Any, exc: Any, *rest: Any) -> None:
         super().__exit__(exc_type, exc, *rest)
-        replayed, entries = self.entries, self.fingerprint.entries
-        if replayed == entries:
+        if self.entries == self.fingerprint.entries:
             return
+        replayed, entries = _fingerprints(self.entries), _fingerprints(self.fingerprint.entries)
         # A replay that stops early (checkpoint's early stop) raises out of the region having saved as many
         # tensors as the forward; one that raised otherwise is compared as far as it got, and its error is
         # the cause of a divergence found there.
@@ -236,12 +237,22 @@ class _Checking(_Hooked):
     def _diverged(self, position: int,
                   entry: tuple[str | None, tuple[int, ...], torch.dtype] | None) -> RecomputeMismatchError:
         fingerprint = self.fingerprint
-        expected = fingerprint.entries[position] if position < len(fingerprint.entries) else None
+        entries = _fingerprints(fingerprint.entries)
+        expected = entries[position] if position < len(entries) else None
         return divergence(
             fingerprint.layer, fingerprint.index,
-            f"tensor {position} of the {len(fingerprint.entries)} it saved for backward",
+            f"tensor {position} of the {len(entries)} it saved for backward",
             _describe(expected), _describe(entry),
         )
+
+
+FIELDS = 3
+"""Items of one saved tensor's fingerprint: its maker, shape and dtype."""
+
+
+def _fingerprints(entries: list[Any]) -> list[tuple[str | None, tuple[int, ...], torch.dtype]]:
+    """The flat :attr:`_Fingerprint.entries` as one tuple per saved tensor."""
+    return list(zip(*[iter(entries)] * FIELDS))
 
 
 def full_replay_contexts(layer: str, index: int | None, lenient: bool) -> tuple[Any, Any]:
