@@ -190,12 +190,10 @@ def _held_leaves(value: Any, leaves: list[Any]) -> list[Any]:
     kind = type(value)
     if kind in _ATOMS or issubclass(kind, torch.Tensor):
         return leaves
-    if kind is tuple or kind is list:
-        for item in value:
-            _held_leaves(item, leaves)
-    elif kind is dict:
-        for item in value.values():
-            _held_leaves(item, leaves)
+    if kind is tuple or kind is list or kind is dict:
+        for item in value.values() if kind is dict else value:
+            if type(item) not in _ATOMS and not issubclass(type(item), torch.Tensor):  # most items: no call
+                _held_leaves(item, leaves)
     else:
         leaves.extend(leaf for leaf in tree_leaves(value)
                       if type(leaf) not in _ATOMS and not issubclass(type(leaf), torch.Tensor))
@@ -891,7 +889,8 @@ class _Witness:
     modules' children and parameter tables, the objects looked through for modules, the global hook tables),
     which a replay does not put back."""
 
-    __slots__ = ("compared", "flags", "held", "owners", "parameters", "read", "states", "versions", "walk")
+    __slots__ = ("compared", "flags", "held", "owners", "parameters", "read", "read_all", "states", "versions",
+                 "versions_all", "walk")
 
     def __init__(self, walk: _Witness | None = None) -> None:
         self.walk = walk
@@ -904,6 +903,9 @@ class _Witness:
         self.compared: list[_Entry] = []
         self.flags: tuple[bool, ...] = ()
         self.read: Callable[[Any], Any] = _nothing
+        self.read_all: Callable[[Any], Any] = _nothing
+        """The versions of this witness's dicts and its walk's, in one read (as a snapshot is taken again)."""
+        self.versions_all: Any = ()
 
     def stamp(self, state: dict[str, Any], version: int | None = None, owner: Any = None) -> None:
         """Vouch for ``state`` by its version (``version``, as its copy was taken, or now), and where it is
@@ -917,17 +919,35 @@ class _Witness:
     def seal(self) -> bool:
         """Fix what :meth:`holds` reads; False where a version moved while the snapshot was taken."""
         if self.held:
-            self.read = operator.itemgetter(*[(id(state) + _VERSION_AT) // 8 for state in self.held])  # type: ignore[operator]
+            self.read = operator.itemgetter(*self._words())
         now = self.read(_MEMORY)
         if now != (self.versions[0] if len(self.held) == 1 else tuple(self.versions)):
             return False
         self.versions = now
         self.flags = tuple(map(_requires_grad, self.parameters))
-        return self.walk is None or self.walk.seal()
+        if self.walk is None:
+            return True
+        words = self._words() + self.walk._words()
+        if words:
+            self.read_all = operator.itemgetter(*words, *words[:1])  # one more: a tuple even of one
+        self.versions_all = self.read_all(_MEMORY)
+        return self.walk.seal()
+
+    def _words(self) -> list[int]:
+        """Where the version of each dict held lies, as an index into :data:`_MEMORY`."""
+        return [(id(state) + _VERSION_AT) // 8 for state in self.held]  # type: ignore[operator]
 
     def holds(self) -> bool:
-        return (self.read(_MEMORY) == self.versions
-                and all(map(operator.is_, map(object.__getattribute__, self.owners, _DICT), self.states))
+        return self.read(_MEMORY) == self.versions and self._rest_holds()
+
+    def holds_with_walk(self) -> bool:
+        """:meth:`holds`, and the walk's, with the versions of both read at once."""
+        return (self.read_all(_MEMORY) == self.versions_all and self._rest_holds()
+                and self.walk._rest_holds())  # type: ignore[union-attr]
+
+    def _rest_holds(self) -> bool:
+        """What :meth:`holds` checks past the versions."""
+        return (all(map(operator.is_, map(object.__getattribute__, self.owners, _DICT), self.states))
                 and tuple(map(_requires_grad, self.parameters)) == self.flags
                 and all(entry.holds(entry.values) for entry in self.compared))
 
@@ -1145,7 +1165,7 @@ class Snapshots:
         if last is not None and last.witness is not None:
             leaves = _held_leaves((args, kwargs), [])
             if (len(leaves) == len(last.leaves) and all(map(operator.is_, leaves, last.leaves))
-                    and last.witness.walk.holds() and last.witness.holds()):  # type: ignore[union-attr]
+                    and last.witness.holds_with_walk()):
                 return last.again()
         self.last = PythonState(module_tree(module), args, kwargs)
         return self.last
