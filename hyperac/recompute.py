@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -369,9 +370,8 @@ class _Region:
         self.inputs: list[tuple[str, torch.Tensor, int]] = []
         """``(argument, tensor, version)`` of each tensor argument to check."""
         self.forward_done = False
-        self.as_in_forward: list[Any] = []
-        """What each replay enters to run as the forward did (NOTE [Python state in the replay], NOTE [The
-        forward's context in the replay], NOTE [Buffers in the replay])."""
+        self.as_in_forward: _AsInForward | None = None
+        """What each replay enters to run as the forward did."""
 
     def run_watched(self, start: Callable[[tuple], Callable[[], Any]], args: tuple, swapped: bool) -> Any:
         """The region's forward, ``start(...)()``, with its tensor inputs watched (NOTE [Inputs written in place])."""
@@ -380,7 +380,7 @@ class _Region:
         plain_kwargs = {name: value for name, value in self.kwargs.items() if name not in CACHE_KWARGS}
         state = self.override.snapshots.take(module, args, plain_kwargs)
         buffers = buffers_as_before(state.borrowed, self.override.fqn, self.override.index) if state.borrowed else None
-        self.as_in_forward = [state, ForwardContext(), *([] if buffers is None else [buffers])]
+        self.as_in_forward = _AsInForward(state, ForwardContext(), buffers)
         keywords = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments((), self.kwargs)]
         self.inputs = [(name, tensor, tensor._version) for name, tensor in _tensor_arguments(args, {})] + keywords
         output = start(args)()
@@ -416,15 +416,49 @@ class _Region:
             with RegionSaves(replaying=False, before_replay=self._unwritten if self.watched else None):
                 return self.call(*args, **self.kwargs)
         replay_kwargs = {**self.kwargs, **{cache.name: cache.for_replay(self.override.fqn) for cache in self.caches}}
-        with contextlib.ExitStack() as stack:
-            token = bypass_replay.set(True)  # copies of buffers are no ops of the region
-            try:
-                for context in self.as_in_forward:
-                    stack.enter_context(context)
-            finally:
-                bypass_replay.reset(token)
-            stack.enter_context(RegionSaves(replaying=True))
+        with self.as_in_forward or contextlib.nullcontext(), RegionSaves(replaying=True):
             return self.call(*args, **replay_kwargs)
+
+
+class _AsInForward:
+    """What a replay enters to run as its region's forward did: the Python state (NOTE [Python state in the
+    replay]), the forward's torch settings (NOTE [The forward's context in the replay]) and the buffers of
+    modules the region borrows (NOTE [Buffers in the replay]), entered in that order and left in the other;
+    what a context entered before one that raises is left again. One object, without an ``ExitStack``'s
+    wrapper per context: it runs at every replay."""
+
+    __slots__ = ("buffers", "context", "state")
+
+    def __init__(self, state: Any, context: Any, buffers: Any) -> None:
+        self.state, self.context, self.buffers = state, context, buffers
+
+    def __enter__(self) -> None:
+        token = bypass_replay.set(True)  # copies of buffers are no ops of the region
+        try:
+            self.state.__enter__()
+            try:
+                self.context.__enter__()
+                try:
+                    if self.buffers is not None:
+                        self.buffers.__enter__()
+                except BaseException:
+                    self.context.__exit__(*sys.exc_info())
+                    raise
+            except BaseException:
+                self.state.__exit__(*sys.exc_info())
+                raise
+        finally:
+            bypass_replay.reset(token)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            try:
+                if self.buffers is not None:
+                    self.buffers.__exit__(*exc)
+            finally:
+                self.context.__exit__(*exc)
+        finally:
+            self.state.__exit__(*exc)
 
 
 class RecomputedForward(Override):

@@ -6,6 +6,7 @@ reading only the routing ops. Each with its fallback where a probe fails."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import sys
 
@@ -292,3 +293,47 @@ def test_where_an_op_overload_does_more_than_call_its_op_the_modes_call_the_over
     assert seen[torch.ops.aten.sin.default] >= 3 * 2  # forward and replay, each step
     monkeypatch.setattr(torch._ops.OpOverload, "__call__", plain)
     assert policy.calls_op_directly() and _compat._probe_op_call() is None
+
+
+# --- what a replay enters ------------------------------------------------------------------------------------
+
+class _Logged:
+    def __init__(self, name: str, log: list, fails: bool = False) -> None:
+        self.name, self.log, self.fails = name, log, fails
+
+    def __enter__(self) -> None:
+        self.log.append(("enter", self.name, hyperac.policy.bypass_replay.get()))
+        if self.fails:
+            raise ValueError(self.name)
+
+    def __exit__(self, *exc) -> None:
+        self.log.append(("exit", self.name, None if exc[0] is None else exc[0].__name__))
+
+
+@pytest.mark.parametrize("failing", [None, "state", "context", "buffers", "body"])
+def test_a_replays_contexts_are_entered_in_order_and_left_in_reverse_as_an_exit_stack_would(failing):
+    """``_AsInForward`` against ``contextlib.ExitStack`` over the same three contexts: the same calls in the same
+    order, the bypass of buffer copies set while entering only, and the same exception out."""
+    logs = []
+    for stacked in (False, True):
+        log: list = []
+        contexts = [_Logged(name, log, failing == name) for name in ("state", "context", "buffers")]
+        try:
+            if stacked:
+                with contextlib.ExitStack() as stack:
+                    token = hyperac.policy.bypass_replay.set(True)
+                    try:
+                        for context in contexts:
+                            stack.enter_context(context)
+                    finally:
+                        hyperac.policy.bypass_replay.reset(token)
+                    if failing == "body":
+                        raise ValueError("body")
+            else:
+                with hyperac.recompute._AsInForward(*contexts):
+                    if failing == "body":
+                        raise ValueError("body")
+        except ValueError as error:
+            log.append(("raised", str(error), None))
+        logs.append(log)
+    assert logs[0] == logs[1]
