@@ -229,7 +229,7 @@ def test_a_snapshot_taken_again_is_the_one_a_new_walk_takes(before, between):
     again = snapshots.take(layer, (), {})
     assert _view(again) == _view(_fresh(layer))
     if not between and not {kind for kind, _ in before} & {21, 22, 30, 33}:  # nothing written: not walked anew
-        assert again.entries is first.entries
+        assert again.witness is first.witness
 
 
 @pytest.mark.parametrize("kind", range(KINDS))
@@ -291,17 +291,16 @@ def test_objects_no_witness_vouches_for_are_walked_at_each_invocation():
     layer.slotted = Slotted()
     layer.call = functools.partial(print, sep="")
     snapshots = Snapshots()
-    first = snapshots.take(layer, (), {})
-    assert first.witness is None
-    assert snapshots.take(layer, (), {}).entries is not first.entries
+    assert snapshots.take(layer, (), {}).witness is None
+    assert snapshots.kept is None  # nothing kept: the next invocation walks anew
 
 
 def test_without_dict_versions_every_invocation_walks(monkeypatch):
     monkeypatch.setattr(python_state, "_VERSION_AT", None)
     layer = Reaching()
     snapshots = Snapshots()
-    first = snapshots.take(layer, (), {})
-    assert snapshots.take(layer, (), {}).entries is not first.entries
+    assert snapshots.take(layer, (), {}).witness is None
+    assert snapshots.kept is None
 
 
 def test_other_non_tensor_arguments_walk_anew():
@@ -309,8 +308,8 @@ def test_other_non_tensor_arguments_walk_anew():
     snapshots = Snapshots()
     config = Plain()
     first = snapshots.take(layer, (), {"config": config})
-    assert snapshots.take(layer, (), {"config": config}).entries is first.entries
-    assert snapshots.take(layer, (), {"config": Plain()}).entries is not first.entries
+    assert snapshots.take(layer, (), {"config": config}).witness is first.witness
+    assert snapshots.take(layer, (), {"config": Plain()}).witness is not first.witness
 
 
 def test_snapshots_travel_empty():
@@ -320,8 +319,8 @@ def test_snapshots_travel_empty():
     layer = Reaching()
     snapshots = Snapshots()
     snapshots.take(layer, (), {})
-    assert copy.deepcopy(snapshots).last is None
-    assert pickle.loads(pickle.dumps(snapshots)).last is None
+    assert snapshots.kept is not None and copy.deepcopy(snapshots).kept is None
+    assert pickle.loads(pickle.dumps(snapshots)).kept is None
 
 
 class Parent(nn.Module):
@@ -400,3 +399,27 @@ def test_layers_whose_state_stays_walk_once(mode, monkeypatch):
         model.zero_grad(set_to_none=True)
         model(torch.randn(2, 4)).backward()
     assert walks == list(model.layers)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_dropped_model_is_freed_without_the_garbage_collector(mode):
+    """The snapshots a layer keeps for its next invocation hold no reference to the layer (which holds them): a
+    model of plain modules (its layers holding lists, plain objects, a module in a list), trained two steps and
+    dropped, is freed by reference counting alone."""
+    import gc
+
+    torch.manual_seed(0)
+    model = Parent()
+    hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+    for _ in range(2):
+        model(torch.randn(2, 4)).backward()
+    assert all(vars(layer)["forward"].snapshots.kept is not None for layer in model.layers)  # kept snapshots
+    refs = [weakref.ref(module) for module in model.modules()]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del model
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        if enabled:
+            gc.enable()

@@ -65,7 +65,7 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -494,6 +494,20 @@ class _Module(_Attributes):
         witness.parameters.extend(self.parameters)
         return True
 
+    def vouch_as_root(self, witness: _Witness) -> None:
+        """:meth:`vouch` for the region's own module, which a snapshot kept for the next invocation must not hold
+        (the module holds the snapshots: a reference cycle, NOTE [A snapshot taken again]): its ``__dict__`` by
+        id and version, its user hooks compared where it has forward hooks, else its tables by version."""
+        module = self.target
+        witness.walk.stamp(module._modules)  # type: ignore[union-attr]
+        witness.walk.stamp(module._parameters)  # type: ignore[union-attr]
+        hooked = bool(self.values[2] or module._forward_pre_hooks or module._forward_hooks)
+        witness.root = (id(self.live), self.values[3], self.values[2] if hooked else None)
+        if not hooked:
+            witness.stamp(module._forward_pre_hooks)
+            witness.stamp(module._forward_hooks)
+        witness.parameters.extend(self.parameters)
+
     def put(self, values: tuple[dict[str, Any], tuple[bool, ...], tuple, int | None]) -> None:
         attributes, flags, hooks, _ = values
         super().put(attributes)
@@ -504,12 +518,7 @@ class _Module(_Attributes):
             self._put_hooks(hooks)
 
     def _hooks(self) -> tuple[tuple[str, int, Any, tuple[bool, ...]], ...]:
-        module = self.target
-        if not (module._forward_pre_hooks or module._forward_hooks):
-            return ()
-        return tuple((table, key, hook, tuple(key in getattr(module, flag) for flag in flags))
-                     for table, flags in _HOOK_TABLES.items()
-                     for key, hook in getattr(module, table).items() if _users(hook))
+        return _hooks_of(self.target)
 
     def _put_hooks(self, hooks: tuple[tuple[str, int, Any, tuple[bool, ...]], ...]) -> None:
         module = self.target
@@ -527,6 +536,15 @@ class _Module(_Attributes):
                     getattr(module, flag)[key] = True
                 else:
                     getattr(module, flag).pop(key, None)
+
+
+def _hooks_of(module: nn.Module) -> tuple[tuple[str, int, Any, tuple[bool, ...]], ...]:
+    """The user's forward hooks and pre-hooks of ``module`` with their flags, by handle id (:class:`_Module`)."""
+    if not (module._forward_pre_hooks or module._forward_hooks):
+        return ()
+    return tuple((table, key, hook, tuple(key in getattr(module, flag) for flag in flags))
+                 for table, flags in _HOOK_TABLES.items()
+                 for key, hook in getattr(module, table).items() if _users(hook))
 
 
 _HOOK_TABLES = {"_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
@@ -860,22 +878,31 @@ def _is_generator(value: Any) -> bool:
 # comparing it entry by entry at each replay's start and end, was most of what ``full`` cost over torch's
 # checkpoint on a host-bound step (benchmarks/host_overhead.py), though a layer's state almost never changes
 # from one invocation to the next. So each snapshot keeps a witness (:class:`_Witness`): the versions of the
-# dicts it copied or looked through (NOTE [Dict versions]: every module's ``__dict__``, its children, parameter
-# and forward hook tables, the plain objects' ``__dict__`` and the dicts found, the global hook tables and
-# ``sys.modules``, whose imports could add numpy's generator), the ``requires_grad`` of the parameters, and the
-# entries no version covers (lists, sets, deques, closure cells, generators, a module with forward hooks, and
-# the lists, sets and deques the search for modules looked through), each compared as a put-back compares it.
-# Where the witness holds, the state is the one the snapshot saw, in every place the snapshot and its walk
+# dicts it copied (NOTE [Dict versions]: every module's ``__dict__`` and forward hook tables, the plain
+# objects' ``__dict__`` and the dicts found), the ``requires_grad`` of the parameters, and the entries no version
+# covers (lists, sets, deques, closure cells, generators, a module with forward hooks), each compared as a
+# put-back compares it; and a second witness, ``walk``, of what only the walk read: the modules' children and
+# parameter tables, the objects the search for modules looked through (dicts and ``__dict__``s by version,
+# lists, sets and deques compared), the global hook tables and ``sys.modules`` (an import could add numpy's
+# generator). Where both hold, the state is the one the snapshot saw, in every place the snapshot and its walk
 # read: a region's next invocation with the same non-tensor arguments (by identity) takes the same snapshot
-# again (:class:`Snapshots`, one per recomputed module) instead of walking and copying, and a replay that
-# starts and ends with it holding puts nothing back, without comparing entry by entry. Where it does not
-# hold, everything runs as before: a new walk, and each entry compared and put back. The witness is a few
-# C-level loops over versions and flags plus one comparison per unversioned entry (about 20 for a Llama
-# decoder layer, where the walk and copy were about 60 Python calls). Kept only where every object the walk
-# met is of those kinds (no ``__slots__``, weak proxies or ``functools.partial``), and where the Python build
-# has dict versions; otherwise each invocation walks anew, as before. A kept snapshot holds the references it
-# saw until the module's next invocation (today's region held them until its backward was done): only
-# objects the live state held as that invocation's forward started.
+# again (:class:`Snapshots`, one per recomputed module) instead of walking and copying; a replay that starts
+# and ends with the first witness holding puts nothing back, without comparing entry by entry. Where it does
+# not hold, everything runs as before: a new walk, and each entry compared and put back. A witness reads all
+# its versions in one C call (an ``itemgetter`` over the process's memory as 8-byte words, at addresses the
+# dicts it holds keep alive), then the owners of ``__dict__``s and the flags in C-level loops, then one
+# comparison per unversioned entry: for a Llama decoder layer 47 versions and Python's and numpy's generators,
+# where the walk and its copies were about 60 Python calls. Kept only where every object the walk met is of
+# those kinds (no ``__slots__``, weak proxies or ``functools.partial``), and where the Python build has dict
+# versions; otherwise each invocation walks anew, as before. What is kept (``Snapshots.kept``) is the snapshot
+# less its region's own module's entry: the module holds its override, which holds the kept snapshot, so an
+# entry holding the module or its ``__dict__`` would be a reference cycle, and a dropped model would wait for
+# the garbage collector (a test drops one with the collector off). The witness checks that module by the id
+# and version of its ``__dict__`` on the module each check is given, and each invocation takes its entry anew
+# (one copy of its ``__dict__``). A kept snapshot holds the other references it saw until the module's next
+# invocation (a region held them until its backward was done): only objects the live state held as that
+# invocation's forward started. Tested against a new walk after random writes of every kind
+# (tests/test_snapshot_again.py).
 
 
 _DICT = itertools.repeat("__dict__")
@@ -890,8 +917,8 @@ class _Witness:
     modules' children and parameter tables, the objects looked through for modules, the global hook tables),
     which a replay does not put back."""
 
-    __slots__ = ("compared", "flags", "held", "owners", "parameters", "read", "read_all", "states", "versions",
-                 "versions_all", "walk")
+    __slots__ = ("compared", "flags", "held", "owners", "parameters", "read", "read_all", "root", "states",
+                 "versions", "versions_all", "walk")
 
     def __init__(self, walk: _Witness | None = None) -> None:
         self.walk = walk
@@ -907,6 +934,9 @@ class _Witness:
         self.read_all: Callable[[Any], Any] = _nothing
         """The versions of this witness's dicts and its walk's, in one read (as a snapshot is taken again)."""
         self.versions_all: Any = ()
+        self.root: tuple[int, int, tuple | None] | None = None
+        """The region's own module: its ``__dict__``'s id and version, and its user hooks where it has forward
+        hooks (:meth:`_Module.vouch_as_root`); checked on the module each check is given."""
 
     def stamp(self, state: dict[str, Any], version: int | None = None, owner: Any = None) -> None:
         """Vouch for ``state`` by its version (``version``, as its copy was taken, or now), and where it is
@@ -938,13 +968,22 @@ class _Witness:
         """Where the version of each dict held lies, as an index into :data:`_MEMORY`."""
         return [(id(state) + _VERSION_AT) // 8 for state in self.held]  # type: ignore[operator]
 
-    def holds(self) -> bool:
-        return self.read(_MEMORY) == self.versions and self._rest_holds()
+    def holds(self, root: nn.Module | None) -> bool:
+        """Whether the state is the one the snapshot saw, ``root`` its region's own module."""
+        return self.read(_MEMORY) == self.versions and self._rest_holds() and self._root_holds(root)
 
-    def holds_with_walk(self) -> bool:
+    def holds_with_walk(self, root: nn.Module) -> bool:
         """:meth:`holds`, and the walk's, with the versions of both read at once."""
         return (self.read_all(_MEMORY) == self.versions_all and self._rest_holds()
-                and self.walk._rest_holds())  # type: ignore[union-attr]
+                and self.walk._rest_holds() and self._root_holds(root))  # type: ignore[union-attr]
+
+    def _root_holds(self, root: nn.Module | None) -> bool:
+        if self.root is None:
+            return True
+        state_id, version, hooks = self.root
+        state = object.__getattribute__(root, "__dict__")
+        return (id(state) == state_id and _MEMORY[(state_id + _VERSION_AT) // 8] == version  # type: ignore[index, operator]
+                and (hooks is None or _same(_hooks_of(root), hooks)))  # type: ignore[arg-type]
 
     def _rest_holds(self) -> bool:
         """What :meth:`holds` checks past the versions."""
@@ -957,17 +996,20 @@ def _nothing(memory: Any) -> tuple:
     return ()
 
 
-def _witness_of(entries: list[_Entry], walked: Iterable[Any], irregular: bool) -> _Witness | None:
-    """The witness of a snapshot of ``entries`` whose search for modules looked through ``walked``, or None
-    where one cannot vouch for it (NOTE [A snapshot taken again])."""
+def _witness_of(entries: list[_Entry], walked: Iterable[Any], irregular: bool, root_at: int | None
+                ) -> _Witness | None:
+    """The witness of a snapshot of ``entries`` whose search for modules looked through ``walked``, the region's
+    own module's entry at ``root_at``, or None where one cannot vouch for it (NOTE [A snapshot taken again])."""
     if irregular or _VERSION_AT is None:
         return None
     witness = _Witness(walk=_Witness())
     walk = witness.walk
     covered = set()
-    for entry in entries:
+    for position, entry in enumerate(entries):
         covered.add(id(entry.target))
-        if not entry.vouch(witness):
+        if position == root_at:
+            entry.vouch_as_root(witness)  # type: ignore[attr-defined]
+        elif not entry.vouch(witness):
             return None
     for value in walked:  # what _items_of read of each
         kind = type(value)
@@ -1004,6 +1046,10 @@ class PythonState:
         """Whether the walk met an object no witness vouches for (NOTE [A snapshot taken again])."""
         self.found: list[list[Any] | None] = []
         own = list(modules)
+        self.root = own[0] if own else None
+        """The region's own module (the first given)."""
+        self.root_at: int | None = None
+        """Where its entry is in :attr:`entries`."""
         self.seen.update(map(id, own))
         found: list[nn.Module] = []
         walked: dict[int, Any] = {}  # what the search for modules looked through
@@ -1012,6 +1058,8 @@ class PythonState:
             found.extend(_modules_in(leaf, walked))
             self._add_deep(leaf)
         for module in own:
+            if module is self.root:
+                self.root_at = len(self.entries)
             found.extend(self._add_module(module, walked))
         for value in _hook_holders(_global_hooks()):
             self._add_held(value)
@@ -1024,14 +1072,26 @@ class PythonState:
                     self.seen.add(id(module))
                     self.borrowed.append(module)
                     self._add_module(module, walked)
-        self.witness = _witness_of(self.entries, walked.values(), self.irregular)
+        self.witness = _witness_of(self.entries, walked.values(), self.irregular, self.root_at)
 
-    def again(self) -> PythonState:
-        """This snapshot, for another invocation whose forward starts from the same state (NOTE [A snapshot
-        taken again]): the same entries, replays of its own."""
-        state = object.__new__(PythonState)
-        state.entries, state.borrowed, state.leaves, state.witness = (
-            self.entries, self.borrowed, self.leaves, self.witness)
+    def kept(self) -> _Kept | None:
+        """What of this snapshot a later invocation can take again (NOTE [A snapshot taken again]): all but the
+        region's own module, which the kept part must not hold; None where no witness vouches for it."""
+        if self.witness is None or self.root_at is None:
+            return None
+        entries: list[_Entry | None] = list(self.entries)
+        entries[self.root_at] = None
+        return _Kept(entries, self.root_at, self.borrowed, self.leaves, self.witness)
+
+    @classmethod
+    def again(cls, kept: _Kept, root: nn.Module) -> PythonState:
+        """The snapshot ``kept`` is of, for another invocation of ``root`` whose forward starts from the same
+        state: the same entries, the root's taken anew (equal, its version unchanged), replays of its own."""
+        state = object.__new__(cls)
+        state.entries = list(kept.entries)  # type: ignore[arg-type]
+        state.entries[kept.root_at] = _Module(root)
+        state.root, state.root_at, state.borrowed, state.leaves, state.witness = (
+            root, kept.root_at, kept.borrowed, kept.leaves, kept.witness)
         state.found = []
         return state
 
@@ -1131,7 +1191,7 @@ class PythonState:
         return found
 
     def __enter__(self) -> None:
-        if self.witness is not None and self.witness.holds():  # NOTE [A snapshot taken again]
+        if self.witness is not None and self.witness.holds(self.root):  # NOTE [A snapshot taken again]
             self.found.append(None)
         else:
             self.found.append(self.put_back())
@@ -1139,7 +1199,7 @@ class PythonState:
     def __exit__(self, *exc: Any) -> None:
         found = self.found.pop()
         if found is None:  # the replay started from the snapshot's state itself
-            if self.witness.holds():  # type: ignore[union-attr]
+            if self.witness.holds(self.root):  # type: ignore[union-attr]
                 return
             found = [entry.values for entry in self.entries]
         for entry, value in zip(reversed(self.entries), reversed(found)):
@@ -1147,26 +1207,37 @@ class PythonState:
                 entry.put(value)
 
 
+class _Kept(NamedTuple):
+    """A snapshot without its region's own module (:meth:`PythonState.kept`)."""
+
+    entries: list[_Entry | None]
+    root_at: int
+    borrowed: list[nn.Module]
+    leaves: list[Any]
+    witness: _Witness
+
+
 class Snapshots:
     """The snapshots of one recomputed module's invocations: each taken anew, or the last one taken again
     where its witness holds and the forward is given the same non-tensor arguments (NOTE [A snapshot taken
-    again]). Copied and pickled empty."""
+    again]). Holds no reference to the module (which holds this). Copied and pickled empty."""
 
-    __slots__ = ("last",)
+    __slots__ = ("kept",)
 
     def __init__(self) -> None:
-        self.last: PythonState | None = None
+        self.kept: _Kept | None = None
 
     def __reduce__(self) -> tuple[type, tuple]:
         return Snapshots, ()
 
     def take(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> PythonState:
         """The snapshot of an invocation of ``module`` on ``args`` and ``kwargs``, as its forward starts."""
-        last = self.last
-        if last is not None and last.witness is not None:
+        kept = self.kept
+        if kept is not None:
             leaves = _held_leaves((args, kwargs), [])
-            if (len(leaves) == len(last.leaves) and all(map(operator.is_, leaves, last.leaves))
-                    and last.witness.holds_with_walk()):
-                return last.again()
-        self.last = PythonState(module_tree(module), args, kwargs)
-        return self.last
+            if (len(leaves) == len(kept.leaves) and all(map(operator.is_, leaves, kept.leaves))
+                    and kept.witness.holds_with_walk(module)):
+                return PythonState.again(kept, module)
+        state = PythonState(module_tree(module), args, kwargs)
+        self.kept = state.kept()
+        return state
