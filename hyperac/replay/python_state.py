@@ -429,9 +429,14 @@ def _versions_move(offset: int, plain: type) -> bool:
 _VERSION_AT = _version_offset()
 
 
-def _stamp(state: dict[str, Any]) -> Any:
-    """What reads ``state``'s version (NOTE [Dict versions]), or None without versions."""
-    return None if _VERSION_AT is None else ctypes.c_uint64.from_address(id(state) + _VERSION_AT)
+_MEMORY = None if _VERSION_AT is None else (ctypes.c_uint64 * (sys.maxsize // 8)).from_address(0)
+"""The process's memory as 8-byte words, where versions are read (NOTE [Dict versions]): a :class:`_Witness`
+reads all of its in one C call."""
+
+
+def _version(state: dict[str, Any]) -> int | None:
+    """``state``'s version (NOTE [Dict versions]), or None without versions."""
+    return None if _VERSION_AT is None else _MEMORY[(id(state) + _VERSION_AT) // 8]  # type: ignore[index]
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -449,20 +454,19 @@ class _Module(_Attributes):
     flags, hooks, version)``: ``version``, the ``__dict__``'s version as it was copied (NOTE [Dict versions]),
     or None."""
 
-    __slots__ = ("live", "parameters", "stamp")
+    __slots__ = ("live", "parameters")
 
     def __init__(self, module: nn.Module) -> None:
         self.parameters = tuple(filter(_is_set, module._parameters.values()))
         self.target = module
         self.live = module.__dict__
-        self.stamp = _stamp(self.live)
         self.values = self.now()
 
     def now(self) -> tuple[dict[str, Any], tuple[bool, ...], tuple[tuple[str, int, Any, tuple[bool, ...]], ...],
                            int | None]:
         module = self.target
         state = module.__dict__
-        version = None if self.stamp is None or state is not self.live else self.stamp.value
+        version = _version(state) if state is self.live else None
         return (state.copy(), tuple(map(_requires_grad, self.parameters)),
                 self._hooks() if module._forward_pre_hooks or module._forward_hooks else (), version)
 
@@ -470,7 +474,7 @@ class _Module(_Attributes):
         attributes, flags, hooks, version = values
         module = self.target
         state = module.__dict__  # _same_dict, inlined: one Python call per module and put-back
-        return ((version is not None and state is self.live and self.stamp.value == version)  # type: ignore[union-attr]
+        return ((version is not None and state is self.live and _version(state) == version)
                 or (len(state) == len(attributes) and all(map(operator.is_, state.values(), attributes.values()))
                     and all(map(operator.is_, state, attributes)))) and (
             tuple(map(_requires_grad, self.parameters)) == flags
@@ -578,13 +582,13 @@ class _Contents(_Entry):
     holds nothing hyperac restores). Of a dict or ``__dict__``, the version as ``values`` was copied is
     noted too (NOTE [Dict versions])."""
 
-    __slots__ = ("live", "stamp", "version")
+    __slots__ = ("live", "version")
 
     def __init__(self, target: Any) -> None:
         self.target = target
         live = target if isinstance(target, dict) else _state_of(target)
-        self.live, self.stamp = live, None if live is None else _stamp(live)
-        self.version = None if self.stamp is None else self.stamp.value
+        self.live = live
+        self.version = None if live is None else _version(live)
         self.values = self.now()
 
     def now(self) -> Any:
@@ -596,7 +600,7 @@ class _Contents(_Entry):
         if type(contents) is dict:
             live = target if isinstance(target, dict) else _state_of(target)
             if (contents is self.values and live is self.live and self.version is not None
-                    and self.stamp.value == self.version):  # type: ignore[union-attr]
+                    and _version(live) == self.version):
                 return True
             if live is not None:
                 return _same_dict(live, contents)
@@ -906,9 +910,6 @@ def _is_generator(value: Any) -> bool:
 
 
 _DICT = itertools.repeat("__dict__")
-_MEMORY = None if _VERSION_AT is None else (ctypes.c_uint64 * (sys.maxsize // 8)).from_address(0)
-"""The process's memory as 8-byte words, where :class:`_Witness` reads the versions of the dicts it holds (NOTE
-[Dict versions]): one C call for all of them."""
 
 
 class _Witness:
@@ -942,7 +943,7 @@ class _Witness:
         """Vouch for ``state`` by its version (``version``, as its copy was taken, or now), and where it is
         ``owner``'s ``__dict__``, for ``owner`` still having it."""
         self.held.append(state)
-        self.versions.append(_stamp(state).value if version is None else version)  # type: ignore[union-attr]
+        self.versions.append(_version(state) if version is None else version)
         if owner is not None:
             self.owners.append(owner)
             self.states.append(state)
@@ -1076,20 +1077,29 @@ class PythonState:
 
     def kept(self) -> _Kept | None:
         """What of this snapshot a later invocation can take again (NOTE [A snapshot taken again]): all but the
-        region's own module, which the kept part must not hold; None where no witness vouches for it."""
+        region's own module and its ``forward`` (the override, which holds the kept part), which it must not
+        hold; None where no witness vouches for it."""
         if self.witness is None or self.root_at is None:
             return None
         entries: list[_Entry | None] = list(self.entries)
+        root = entries[self.root_at]
         entries[self.root_at] = None
-        return _Kept(entries, self.root_at, self.borrowed, self.leaves, self.witness)
+        attributes, flags, hooks, version = root.values  # type: ignore[union-attr]
+        if "forward" in attributes:  # the override, which holds this: never restored, so stood in for
+            attributes = {**attributes, "forward": _MISSING}
+        return _Kept(entries, self.root_at, root.parameters, (attributes, flags, hooks, version),  # type: ignore[union-attr]
+                     self.borrowed, self.leaves, self.witness)
 
     @classmethod
     def again(cls, kept: _Kept, root: nn.Module) -> PythonState:
         """The snapshot ``kept`` is of, for another invocation of ``root`` whose forward starts from the same
-        state: the same entries, the root's taken anew (equal, its version unchanged), replays of its own."""
+        state: the same entries, the root's on the module again (its ``__dict__``'s version unchanged, so what
+        was copied is still what it holds, but for ``forward``, which is never restored), replays of its own."""
+        entry = object.__new__(_Module)  # what _Module(root) reads, as the witness holds: no copy
+        entry.target, entry.live, entry.parameters, entry.values = root, root.__dict__, kept.parameters, kept.values
         state = object.__new__(cls)
         state.entries = list(kept.entries)  # type: ignore[arg-type]
-        state.entries[kept.root_at] = _Module(root)
+        state.entries[kept.root_at] = entry
         state.root, state.root_at, state.borrowed, state.leaves, state.witness = (
             root, kept.root_at, kept.borrowed, kept.leaves, kept.witness)
         state.found = []
@@ -1212,6 +1222,9 @@ class _Kept(NamedTuple):
 
     entries: list[_Entry | None]
     root_at: int
+    parameters: tuple[torch.Tensor, ...]
+    """The root's parameters, then its entry's values, its ``forward`` stood in for."""
+    values: tuple[dict[str, Any], tuple[bool, ...], tuple, int | None]
     borrowed: list[nn.Module]
     leaves: list[Any]
     witness: _Witness
