@@ -240,8 +240,9 @@ class _Pointwise(nn.Module):
 def test_an_ordinary_op_costs_the_selective_modes_one_python_call():
     """NOTE [Per op, not per call] in policy.py: for an op on what autograd tracks, the recording and the replay
     modes' ``__torch_dispatch__`` calls one Python function, :meth:`HookOps.owns`, which calls none (no generator,
-    no look up the stack), and runs the op without ``OpOverload.__call__``; what depends on the op alone was
-    read when it was first seen."""
+    no look up the stack), and runs the op without ``OpOverload.__call__`` where that only forwards to the op's
+    builtin (torch 2.13; 2.15's does more, and is called); what depends on the op alone was read when it was
+    first seen."""
     torch.manual_seed(0)
     model = Stack([_Pointwise(), _Pointwise()])
     hyperac.apply(model, mode="selective", backend="cpu", layers="layers")
@@ -265,7 +266,8 @@ def test_an_ordinary_op_costs_the_selective_modes_one_python_call():
     finally:
         sys.setprofile(None)
     assert calls["record"] >= 6 and calls["replay"] >= 6, calls  # 3 ops per layer, 2 layers, each way
-    assert set(calls) == {"record", "replay", ("__torch_dispatch__", "owns")}, calls
+    overload = set() if policy.calls_op_directly() else {("__torch_dispatch__", "__call__")}  # 2.15: the fallback
+    assert set(calls) == {"record", "replay", ("__torch_dispatch__", "owns")} | overload, calls
     assert calls["__torch_dispatch__", "owns"] <= calls["record"] + calls["replay"]
 
 
@@ -278,6 +280,7 @@ def test_where_an_op_overload_does_more_than_call_its_op_the_modes_call_the_over
     expected = train(copy.deepcopy(base), "plain", _input, steps=3)  # un-applied
     seen = collections.Counter()
     plain = torch._ops.OpOverload.__call__
+    direct = policy.calls_op_directly()  # torch 2.13: True; 2.15's __call__ does more, so False there too
 
     def call(self, /, *args, **kwargs):
         seen[self] += 1
@@ -291,7 +294,7 @@ def test_where_an_op_overload_does_more_than_call_its_op_the_modes_call_the_over
     assert differences(expected, train(model, "plain", _input, steps=3)) == []
     assert seen[torch.ops.aten.sin.default] >= 3 * 2  # forward and replay, each step
     monkeypatch.setattr(torch._ops.OpOverload, "__call__", plain)
-    assert policy.calls_op_directly() and _compat._probe_op_call() is None
+    assert policy.calls_op_directly() == direct and (_compat._probe_op_call() is None) == direct
 
 
 # --- what a replay enters ------------------------------------------------------------------------------------
