@@ -471,8 +471,8 @@ def _probe_checkpoint_hooks() -> str | None:
 def _probe_op_call() -> str | None:
     from .policy import calls_op_directly
 
-    if not calls_op_directly():
-        return "OpOverload.__call__ does more than call the overload's _op"
+    if not calls_op_directly():  # the modes call the overload itself (torch 2.15): no private piece in use
+        return None
     mul, x = torch.ops.aten.mul.Tensor, torch.full((2,), 0.5)
     if not torch.equal(mul._op(x, x), mul(x, x)):
         return "an OpOverload's _op does not compute what the overload does"
