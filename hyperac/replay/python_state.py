@@ -488,9 +488,7 @@ class _Module(_Attributes):
         """The tables the walk read (children, parameters) by version; where the module has no forward hooks,
         its ``__dict__`` and hook tables by version and its flags with the others', else the entry compared."""
         module = self.target
-        witness.walk.stamp(module._modules)  # type: ignore[union-attr]
-        witness.walk.stamp(module._parameters)  # type: ignore[union-attr]
-        if self.values[2] or module._forward_pre_hooks or module._forward_hooks:
+        if self._walked_and_hooked(witness):
             return super(_Attributes, self).vouch(witness)
         witness.stamp(self.live, self.values[3], owner=module)
         witness.stamp(module._forward_pre_hooks)
@@ -498,14 +496,20 @@ class _Module(_Attributes):
         witness.parameters.extend(self.parameters)
         return True
 
+    def _walked_and_hooked(self, witness: _Witness) -> bool:
+        """Vouch in ``witness``'s walk for what the walk read of the module (its children and parameter tables);
+        whether the module has forward hooks."""
+        module = self.target
+        witness.walk.stamp(module._modules)  # type: ignore[union-attr]
+        witness.walk.stamp(module._parameters)  # type: ignore[union-attr]
+        return bool(self.values[2] or module._forward_pre_hooks or module._forward_hooks)
+
     def vouch_as_root(self, witness: _Witness) -> None:
         """:meth:`vouch` for the region's own module, which a snapshot kept for the next invocation must not hold
         (the module holds the snapshots: a reference cycle, NOTE [A snapshot taken again]): its ``__dict__`` by
         id and version, its user hooks compared where it has forward hooks, else its tables by version."""
         module = self.target
-        witness.walk.stamp(module._modules)  # type: ignore[union-attr]
-        witness.walk.stamp(module._parameters)  # type: ignore[union-attr]
-        hooked = bool(self.values[2] or module._forward_pre_hooks or module._forward_hooks)
+        hooked = self._walked_and_hooked(witness)
         witness.root = (id(self.live), self.values[3], self.values[2] if hooked else None)
         if not hooked:
             witness.stamp(module._forward_pre_hooks)
@@ -1050,7 +1054,7 @@ class PythonState:
         self.root = own[0] if own else None
         """The region's own module (the first given)."""
         self.root_at: int | None = None
-        """Where its entry is in :attr:`entries`."""
+        """Where its entry is in :attr:`entries` (after those of the arguments)."""
         self.seen.update(map(id, own))
         found: list[nn.Module] = []
         walked: dict[int, Any] = {}  # what the search for modules looked through
@@ -1058,9 +1062,8 @@ class PythonState:
         for leaf in self.leaves:
             found.extend(_modules_in(leaf, walked))
             self._add_deep(leaf)
+        self.root_at = len(self.entries) if own else None
         for module in own:
-            if module is self.root:
-                self.root_at = len(self.entries)
             found.extend(self._add_module(module, walked))
         for value in _hook_holders(_global_hooks()):
             self._add_held(value)

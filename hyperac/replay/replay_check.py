@@ -117,9 +117,9 @@ def node_maker(node: Any) -> str:
     kind = type(node)
     name = NODE_MAKERS.get(kind)
     if name is None:
-        name = node.name()
-        name = "a reshape" if name in RESHAPES else name
-        if kind.__name__ == node.name():
+        own = node.name()
+        name = "a reshape" if own in RESHAPES else own
+        if kind.__name__ == own:
             NODE_MAKERS[kind] = name
     return name
 

@@ -58,11 +58,15 @@ def _flag_getters() -> tuple[Any, ...] | None:
     them into ``_cur_sdpa_kernel_backends(True)``'s list gives that list; else None."""
     try:
         getters = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name in attention._backend_names)
-        state = (tuple(getter() for getter in getters), tuple(torch._C._get_sdp_priority_order()))
-        matches = _list_of(state, _kernels()) == attention._cur_sdpa_kernel_backends(True)
+        matches = _list_of(_flags_read(getters), _kernels()) == attention._cur_sdpa_kernel_backends(True)
     except (AttributeError, TypeError, ValueError):
         return None
     return getters if matches else None
+
+
+def _flags_read(getters: tuple[Any, ...]) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+    """Each kernel's enabled flag (by ``getters``) and the priority order."""
+    return tuple(getter() for getter in getters), tuple(torch._C._get_sdp_priority_order())
 
 
 def _list_of(state: tuple[tuple[bool, ...], tuple[int, ...]], backends: list[Any]) -> list[Any]:
@@ -84,7 +88,7 @@ def _sdpa_state() -> Any:
     """The enabled attention kernels and their order (NOTE [SDPA kernels read as flags])."""
     if _FLAGS is None:
         return tuple(attention._cur_sdpa_kernel_backends(True))
-    return tuple(getter() for getter in _FLAGS), tuple(torch._C._get_sdp_priority_order())
+    return _flags_read(_FLAGS)
 
 
 def _sdpa_backends(state: Any) -> list[Any]:
