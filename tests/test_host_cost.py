@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
+import random
 import sys
 
 import pytest
@@ -20,7 +22,7 @@ from torch.utils import checkpoint as torch_recompute
 import hyperac
 import hyperac.recompute
 from hyperac import _compat, lifecycle, policy
-from hyperac.replay import python_state, region_saves
+from hyperac.replay import python_state, region_saves, replay_context
 
 _CHECKPOINT_PACKS = {"pack_hook", "unpack_hook"}
 
@@ -203,6 +205,74 @@ def test_dict_versions_are_found_on_this_python():
     before = python_state._version(state)
     state["a"] = 2
     assert python_state._version(state) != before
+
+
+def test_the_global_generators_are_read_as_bytes_on_this_python_and_numpy_and_read_their_state_exactly():
+    """NOTE [Generators read as bytes]: the byte views are in use here (the probes passed), what they read is
+    the state API's state after plain and Gaussian draws, and a put back of it gives the same draws again."""
+    numpy = pytest.importorskip("numpy")
+
+    def plain(state: tuple) -> tuple:  # a numpy state's key as a tuple, to compare by value
+        return tuple(item.tolist() if isinstance(item, numpy.ndarray) else item for item in state)
+
+    for generator, draw, read, expected in (
+            (random.Random(3), lambda g: (g.random(), g.gauss(0, 1)), lambda value: value.python_state(),
+             lambda g: g.getstate()),
+            (numpy.random.RandomState(3), lambda g: (g.rand(), g.standard_normal()),
+             lambda value: plain(value.numpy_state()), lambda g: plain(g.get_state())),
+    ):
+        entry = python_state._Generator(generator)
+        assert entry.words is not None
+        for _ in range(3):
+            draw(generator)  # leaves a cached Gaussian (numpy) or gauss_next (Python) every second time
+            assert read(entry.now()) == expected(generator)
+            kept = entry.now()
+            assert entry.holds(kept)
+            drawn = draw(generator)
+            assert not entry.holds(kept)
+            entry.put(kept)
+            assert entry.holds(kept) and draw(generator) == drawn
+
+
+_SETTING_CHANGES = {
+    "deterministic": lambda: torch.use_deterministic_algorithms(True),
+    "warn only": lambda: torch.use_deterministic_algorithms(True, warn_only=True),
+    "one kernel": lambda: torch.nn.attention._sdpa_kernel([torch.nn.attention.SDPBackend.MATH]),
+    "priority": lambda: torch._C._set_sdp_priority_order(list(reversed(torch._C._get_sdp_priority_order()))),
+    "dtype": lambda: torch.set_default_dtype(torch.float64),
+    **{f"{name} kernel": functools.partial(getattr(torch._C, f"_set_sdp_use_{name}"), False)
+       for name in torch.nn.attention._backend_names},
+}
+
+
+@pytest.mark.parametrize("read_as_memory", [True, False])
+@pytest.mark.parametrize("change", sorted(_SETTING_CHANGES))
+def test_a_replay_runs_under_each_torch_setting_its_forward_ran_under_and_leaves_the_one_it_found(
+        monkeypatch, change, read_as_memory):
+    """NOTE [Torch's flags read as memory]: read as words on this torch (the probe passed), each setting changed
+    between a forward and its replay is set back for the replay and left as found after it; the same through
+    the getters."""
+    assert replay_context._WORDS is not None
+    if not read_as_memory:
+        monkeypatch.setattr(replay_context, "_WORDS", None)
+
+    def now() -> tuple:
+        return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.nn.attention._cur_sdpa_kernel_backends(True))
+
+    forward = now()
+    context = replay_context.ForwardContext()
+    try:
+        _SETTING_CHANGES[change]()
+        found = now()
+        assert found != forward
+        with context:
+            assert now() == forward
+        assert now() == found
+    finally:
+        replay_context._apply(context.settings)
+    assert now() == forward
 
 
 def test_the_module_tree_is_modules_in_its_order():

@@ -71,6 +71,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .memory import MEMORY, reader
+
 __all__ = ["PythonState", "Snapshots", "module_tree"]
 
 _MODULE_BOOKKEEPING = (frozenset(nn.Module().__dict__) - {"training"}) | {"forward"}
@@ -429,14 +431,9 @@ def _versions_move(offset: int, plain: type) -> bool:
 _VERSION_AT = _version_offset()
 
 
-_MEMORY = None if _VERSION_AT is None else (ctypes.c_uint64 * (sys.maxsize // 8)).from_address(0)
-"""The process's memory as 8-byte words, where versions are read (NOTE [Dict versions]): a :class:`_Witness`
-reads all of its in one C call."""
-
-
 def _version(state: dict[str, Any]) -> int | None:
     """``state``'s version (NOTE [Dict versions]), or None without versions."""
-    return None if _VERSION_AT is None else _MEMORY[(id(state) + _VERSION_AT) // 8]  # type: ignore[index]
+    return None if _VERSION_AT is None else MEMORY[(id(state) + _VERSION_AT) // 8]  # type: ignore[index]
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -698,14 +695,14 @@ class _Generator(_Entry):
 
     def __init__(self, target: Any) -> None:
         self.target = target
-        self.words, self.cached = _twister_addresses(target)
+        self.words, self.cached = _twister_views(target)
         self.values = self.now()
 
     def now(self) -> Any:
         if self.words is not None:  # NOTE [Generators read as bytes]
             if self.cached is None:
-                return _TwisterState(ctypes.string_at(self.words, _TWISTER_BYTES), self.target.gauss_next)
-            return _LegacyNumpyState(_numpy_bytes(self.words, self.cached))
+                return _TwisterState(self.words.raw, self.target.gauss_next)
+            return _LegacyNumpyState(self.words.raw + self.cached.raw)
         target = self.target
         if type(target) is torch.Generator:
             return target.get_state().numpy().tobytes()
@@ -717,10 +714,8 @@ class _Generator(_Entry):
         if self.words is None:
             return self.now() == values
         if self.cached is None:
-            return (ctypes.string_at(self.words, _TWISTER_BYTES) == values.words
-                    and self.target.gauss_next == values.gauss_next)
-        return values.startswith(ctypes.string_at(self.words, _TWISTER_BYTES)) and values.endswith(
-            ctypes.string_at(self.cached, 4) + ctypes.string_at(self.cached + 8, 8))  # no copy of the whole
+            return self.words.raw == values.words and self.target.gauss_next == values.gauss_next
+        return values.startswith(self.words.raw) and values.endswith(self.cached.raw)  # no copy of the whole
 
     def put(self, state: Any) -> None:
         target = self.target
@@ -750,8 +745,10 @@ class _Generator(_Entry):
 # ``RandomState``, which a legacy Gaussian draw takes without moving the key), found in the object where
 # probes put a known value. Each layout is probed once against the generator's own state API (as NOTE
 # [Every private torch piece] in _compat.py does for torch's): where a Python or numpy build lays them
-# out otherwise, the state APIs are read as before. A read is then a copy of 2.5 KB, and a put back
-# (rare: only where a draw moved it) goes through the state API.
+# out otherwise, the state APIs are read as before. A read is then a copy of 2.5 KB, through a ctypes
+# array laid over those bytes once (its ``raw``: no foreign call per read, where ``ctypes.string_at``'s
+# cost a few microseconds each in a step, six times per layer invocation), and a put back (rare: only
+# where a draw moved it) goes through the state API.
 
 _TWISTER_BYTES = 4 + 624 * 4
 """A Mersenne Twister's index (or position) and its 624 32-bit words."""
@@ -772,17 +769,21 @@ def _twister_bytes(generator: random.Random) -> bytes:
     return ctypes.string_at(id(generator) + object.__basicsize__, _TWISTER_BYTES)
 
 
-def _twister_addresses(target: Any) -> tuple[int | None, int | None]:
-    """Where a Mersenne Twister's words are, and a numpy ``RandomState``'s cached Gaussian (None for Python's
-    ``random.Random``, whose ``gauss_next`` is an attribute); ``(None, None)`` for a generator read through its
-    state API (NOTE [Generators read as bytes])."""
+def _twister_views(target: Any) -> tuple[Any, Any]:
+    """Byte arrays laid over a Mersenne Twister's words and over a numpy ``RandomState``'s cached Gaussian (None
+    for Python's ``random.Random``, whose ``gauss_next`` is an attribute); ``(None, None)`` for a generator read
+    through its state API (NOTE [Generators read as bytes]). ``target`` keeps the bytes they lie over alive."""
     kind = type(target)
     if kind is random.Random and _twister_bytes_readable():
-        return id(target) + object.__basicsize__, None
+        return _view(id(target) + object.__basicsize__, _TWISTER_BYTES), None
     bits = _legacy_twister(target)
     if bits is None:
         return None, None
-    return bits.ctypes.state_address, id(target) + _numpy_gauss_at(kind)  # type: ignore[operator]
+    return _numpy_views(bits.ctypes.state_address, id(target) + _numpy_gauss_at(kind))  # type: ignore[operator]
+
+
+def _view(address: int, size: int) -> Any:
+    return (ctypes.c_char * size).from_address(address)
 
 
 class _TwisterState:
@@ -834,34 +835,38 @@ def _numpy_gauss_at(kind: type) -> int | None:
             return None
         offset = found.pop()
 
-        def at(probe: Any) -> tuple[int, int]:
-            return probe._bit_generator.ctypes.state_address, id(probe) + offset
+        def read(probe: Any) -> tuple:
+            words, cached = _numpy_views(probe._bit_generator.ctypes.state_address, id(probe) + offset)
+            return _LegacyNumpyState(words.raw + cached.raw).numpy_state()
 
         for probe in probes:
-            if _numpy_bytes(*at(probe)) != _numpy_expected(probe.get_state()):
+            if not _same_numpy_state(read(probe), probe.get_state()):
                 return None
             probe.standard_normal()  # takes the cached Gaussian
-            if _numpy_bytes(*at(probe)) != _numpy_expected(probe.get_state()):
+            if not _same_numpy_state(read(probe), probe.get_state()):
                 return None
     except (AttributeError, TypeError, ValueError, struct.error):
         return None
     return offset
 
 
-def _numpy_bytes(words_at: int, cached_at: int) -> bytes:
-    """A ``RandomState``'s MT19937 key and position (at ``words_at``), then its ``has_gauss`` and cached Gaussian
-    (at ``cached_at``: an int, then at 8 bytes further a double)."""
-    words = ctypes.string_at(words_at, _TWISTER_BYTES)
-    return words + ctypes.string_at(cached_at, 4) + ctypes.string_at(cached_at + 8, 8)
+def _numpy_views(words_at: int, cached_at: int) -> tuple[Any, Any]:
+    """Byte arrays over a ``RandomState``'s MT19937 key and position (at ``words_at``), and over its ``has_gauss``
+    and cached Gaussian (at ``cached_at``: an int, then at 8 bytes further a double)."""
+    return _view(words_at, _TWISTER_BYTES), _view(cached_at, _GAUSS_BYTES)
 
 
-def _numpy_expected(state: tuple) -> bytes:
-    _, key, position, has_gauss, gauss = state
-    return key.astype("=u4").tobytes() + struct.pack("=iid", position, has_gauss, gauss)
+_GAUSS_BYTES = 16
+"""A ``RandomState``'s ``has_gauss`` (an int, padded to 8 bytes) and cached Gaussian (a double)."""
+
+
+def _same_numpy_state(first: tuple, second: tuple) -> bool:
+    return first[0] == second[0] and (first[1] == second[1]).all() and first[2:] == second[2:]
 
 
 class _LegacyNumpyState(bytes):
-    """A numpy ``RandomState``'s state as the bytes :func:`_numpy_bytes` reads (compared by value)."""
+    """A numpy ``RandomState``'s state as the bytes its views read (:func:`_numpy_views`: the key and position,
+    then ``has_gauss``, its padding and the cached Gaussian), compared by value."""
 
     __slots__ = ()
 
@@ -869,7 +874,7 @@ class _LegacyNumpyState(bytes):
         numpy = sys.modules["numpy"]
         key = numpy.frombuffer(self, dtype="=u4", count=624).copy()
         position, has_gauss = struct.unpack_from("=ii", self, _TWISTER_BYTES - 4)
-        return "MT19937", key, position, has_gauss, struct.unpack_from("=d", self, _TWISTER_BYTES + 4)[0]
+        return "MT19937", key, position, has_gauss, struct.unpack_from("=d", self, _TWISTER_BYTES + 8)[0]
 
 
 def _is_generator(value: Any) -> bool:
@@ -955,9 +960,9 @@ class _Witness:
     def seal(self) -> bool:
         """Fix what :meth:`holds` reads; False where a version moved while the snapshot was taken."""
         if self.held:
-            self.read = operator.itemgetter(*self._words())
-        now = self.read(_MEMORY)
-        if now != (self.versions[0] if len(self.held) == 1 else tuple(self.versions)):
+            self.read = reader(self._words())
+        now = self.read(MEMORY)
+        if now != tuple(self.versions):
             return False
         self.versions = now
         self.flags = tuple(map(_requires_grad, self.parameters))
@@ -965,21 +970,21 @@ class _Witness:
             return True
         words = self._words() + self.walk._words()
         if words:
-            self.read_all = operator.itemgetter(*words, *words[:1])  # one more: a tuple even of one
-        self.versions_all = self.read_all(_MEMORY)
+            self.read_all = reader(words)
+        self.versions_all = self.read_all(MEMORY)
         return self.walk.seal()
 
     def _words(self) -> list[int]:
-        """Where the version of each dict held lies, as an index into :data:`_MEMORY`."""
+        """Where the version of each dict held lies, as an index into :data:`MEMORY`."""
         return [(id(state) + _VERSION_AT) // 8 for state in self.held]  # type: ignore[operator]
 
     def holds(self, root: nn.Module | None) -> bool:
         """Whether the state is the one the snapshot saw, ``root`` its region's own module."""
-        return self.read(_MEMORY) == self.versions and self._rest_holds() and self._root_holds(root)
+        return self.read(MEMORY) == self.versions and self._rest_holds() and self._root_holds(root)
 
     def holds_with_walk(self, root: nn.Module) -> bool:
         """:meth:`holds`, and the walk's, with the versions of both read at once."""
-        return (self.read_all(_MEMORY) == self.versions_all and self._rest_holds()
+        return (self.read_all(MEMORY) == self.versions_all and self._rest_holds()
                 and self.walk._rest_holds() and self._root_holds(root))  # type: ignore[union-attr]
 
     def _root_holds(self, root: nn.Module | None) -> bool:
@@ -987,7 +992,7 @@ class _Witness:
             return True
         state_id, version, hooks = self.root
         state = object.__getattribute__(root, "__dict__")
-        return (id(state) == state_id and _MEMORY[(state_id + _VERSION_AT) // 8] == version  # type: ignore[index, operator]
+        return (id(state) == state_id and MEMORY[(state_id + _VERSION_AT) // 8] == version  # type: ignore[index, operator]
                 and (hooks is None or _same(_hooks_of(root), hooks)))  # type: ignore[arg-type]
 
     def _rest_holds(self) -> bool:

@@ -16,30 +16,52 @@ replay computes:
 * deterministic algorithms (``torch.use_deterministic_algorithms``) and the scaled-dot-product
   attention kernels enabled (``torch.nn.attention.sdpa_kernel``): another kernel, other outputs.
 
-Each is read as the region's forward starts (a few C calls, a shallow copy of the parametrize cache
-while it is enabled) and set, where it differs, for the duration of each replay. The autocast weight-
-cast cache cannot be reproduced (torch keeps it out of reach): a cast that one side served from it is
-accounted for instead (NOTE [Autocast casts served from the cache] in replay_check.py).
+Each is read as the region's forward starts (most in one C call, NOTE [Torch's flags read as memory], and
+a shallow copy of the parametrize cache while it is enabled) and set, where it differs, for the duration
+of each replay. The autocast weight-cast cache cannot be reproduced (torch keeps it out of reach): a cast
+that one side served from it is accounted for instead (NOTE [Autocast casts served from the cache] in
+replay_check.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import ctypes
+import functools
+import os
+import struct
+import sys
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn import attention
 from torch.nn.utils import parametrize
 
+from .memory import MEMORY, reader
+
 __all__ = ["ForwardContext"]
 
 
 def _settings() -> tuple[Any, ...]:
-    return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled(), _sdpa_state())
+    """The default dtype and the flags (NOTE [Torch's flags read as memory]): compared with ``==``, and, where that
+    finds them different, each turned into :func:`_flags` by :func:`_decoded` and compared again."""
+    if _WORDS is None:
+        return torch.get_default_dtype(), _flags()
+    return torch.get_default_dtype(), _WORDS.read(MEMORY)
+
+
+def _decoded(settings: tuple[Any, ...]) -> tuple[Any, ...]:
+    dtype, flags = settings
+    return dtype, (flags if _WORDS is None else _WORDS.decode(flags))
+
+
+def _flags() -> tuple[Any, ...]:
+    """Deterministic algorithms (and warn only), and the attention kernels' state, through their getters."""
+    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            _sdpa_state())
 
 
 def _apply(settings: tuple[Any, ...]) -> None:
-    dtype, deterministic, warn_only, sdpa = settings
+    dtype, (deterministic, warn_only, sdpa) = _decoded(settings)
     torch.set_default_dtype(dtype)
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     attention._sdpa_kernel(_sdpa_backends(sdpa), set_priority=True)
@@ -96,6 +118,133 @@ def _sdpa_backends(state: Any) -> list[Any]:
     return list(state) if _FLAGS is None else _list_of(state, _BACKENDS)  # type: ignore[arg-type]
 
 
+# NOTE [Torch's flags read as memory]
+# Even as flags (NOTE [SDPA kernels read as flags]), the settings are nine getter calls (deterministic
+# algorithms, warn only, five kernels' flags, the priority order), twice per layer invocation: about 15 us per
+# layer in a host-bound step (benchmarks/host_overhead.py), though each getter returns a byte: every call's
+# code has left the caches since the last layer. All of them are fields of one C++ object next to one another
+# (``at::globalContext()``, ATen/Context.h). So where a probe finds them there, the context reads the few 8-byte
+# words that hold them (memory.py) in one C call, and compares those words. Words that differ (a flag changed,
+# or a neighbour in the same words did) are decoded into the flags and compared again, and set back through
+# torch's setters, as before. The probe runs once, at import: it takes the object's address from libtorch
+# (``at::globalContext()``, exported), flips each flag and the priority order through its setter, one at a
+# time, finds the one byte (the priority order: five 4-byte entries) that moves, and sets each back as it was;
+# what it found must decode to what the getters return, in every state it went through. Where the symbol
+# is not exported under that name (another platform), the memory around the object is not mapped as expected,
+# or any flag moves other bytes, the getters are called.
+
+
+_WINDOW = 4096
+"""How many bytes from ``at::globalContext()`` the probe looks through for the flags."""
+
+
+class _Words(NamedTuple):
+    """Where the flags lie (NOTE [Torch's flags read as memory]): the words :attr:`read` reads, and the byte
+    offsets in them of the deterministic flags, each kernel's flag (in :data:`_FLAGS`' order) and the first
+    priority entry."""
+
+    read: Any
+    deterministic: int
+    warn_only: int
+    kernels: tuple[int, ...]
+    priority: int
+    length: int
+    """How many priority entries."""
+
+    def decode(self, words: tuple[int, ...]) -> tuple[Any, ...]:
+        """:func:`_flags`' value, from the words read."""
+        raw = struct.pack(f"={len(words)}Q", *words)
+        return (raw[self.deterministic] != 0, raw[self.warn_only] != 0,
+                (tuple(raw[at] != 0 for at in self.kernels),
+                 struct.unpack_from(f"={self.length}i", raw, self.priority)))
+
+
+def _context_address() -> int | None:
+    """``at::globalContext()``'s address, where libtorch exports it (Linux's name for it) and the bytes the probe
+    reads from it are mapped in this process."""
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not sys.platform.startswith("linux") or not os.path.exists(library):
+        return None
+    try:
+        function = ctypes.CDLL(library)._ZN2at13globalContextEv
+    except (OSError, AttributeError):
+        return None
+    function.restype, function.argtypes = ctypes.c_void_p, []
+    address = function()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                start, end = (int(part, 16) for part in line.split()[0].split("-"))
+                if start <= address and address + _WINDOW <= end and line.split()[1].startswith("r"):
+                    return address
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _moved(address: int, flip: Any, back: Any) -> list[int]:
+    """The offsets of the bytes from ``address`` that ``flip()`` moves and ``back()`` moves back."""
+    before = ctypes.string_at(address, _WINDOW)
+    flip()
+    try:
+        after = ctypes.string_at(address, _WINDOW)
+    finally:
+        back()
+    if ctypes.string_at(address, _WINDOW) != before:
+        return []
+    return [at for at in range(_WINDOW) if before[at] != after[at]]
+
+
+def _context_words() -> _Words | None:
+    """Where the flags lie in ``at::globalContext()``, found and checked (NOTE [Torch's flags read as memory]),
+    or None."""
+    address = _context_address() if _FLAGS is not None else None
+    if address is None:
+        return None
+    C = torch._C
+    try:
+        deterministic, warn_only = C._get_deterministic_algorithms(), C._get_deterministic_algorithms_warn_only()
+        order = list(C._get_sdp_priority_order())
+        flips = [(lambda: C._set_deterministic_algorithms(not deterministic, warn_only=warn_only),
+                  lambda: C._set_deterministic_algorithms(deterministic, warn_only=warn_only)),
+                 (lambda: C._set_deterministic_algorithms(deterministic, warn_only=not warn_only),
+                  lambda: C._set_deterministic_algorithms(deterministic, warn_only=warn_only))]
+        for name, getter in zip(attention._backend_names, _FLAGS):  # type: ignore[arg-type]
+            setter, value = getattr(C, f"_set_sdp_use_{name}"), getter()
+            flips.append((functools.partial(setter, not value), functools.partial(setter, value)))
+        set_order = C._set_sdp_priority_order
+        orders = [(functools.partial(set_order, other), functools.partial(set_order, order))
+                  for other in (order[1:] + order[:1], order[::-1])]
+        found = [_moved(address, flip, back) for flip, back in flips]
+        moved = _moved(address, *orders[0])  # a rotation: every entry moves
+        if any(len(offsets) != 1 for offsets in found) or not moved:
+            return None
+        singles = [address + offsets[0] for offsets in found]
+        priority = address + moved[0] // 4 * 4
+        first, last = min(*singles, priority) // 8, max(*singles, priority + 4 * len(order) - 1) // 8
+        words = _Words(reader(range(first, last + 1)), singles[0] - 8 * first, singles[1] - 8 * first,
+                       tuple(at - 8 * first for at in singles[2:]), priority - 8 * first, len(order))
+        return words if all(_decodes(words, flip, back) for flip, back in [(_none, _none), *flips, *orders]) else None
+    except (AttributeError, TypeError, RuntimeError, struct.error):
+        return None
+
+
+def _none() -> None:
+    return None
+
+
+def _decodes(words: _Words, flip: Any, back: Any) -> bool:
+    """Whether the words decode to what the getters give, after ``flip()`` (then undone by ``back()``)."""
+    flip()
+    try:
+        return words.decode(words.read(MEMORY)) == _flags()
+    finally:
+        back()
+
+
+_WORDS = _context_words()
+
+
 def _parametrize_cache() -> tuple[int, dict | None]:
     return parametrize._cache_enabled, dict(parametrize._cache) if parametrize._cache else None
 
@@ -127,7 +276,8 @@ class ForwardContext:
 
     def __enter__(self) -> None:
         settings, cache = _settings(), _parametrize_cache()
-        settings_differ, cache_differs = settings != self.settings, not _same_cache(cache, self.cache)
+        settings_differ = settings != self.settings and _decoded(settings) != _decoded(self.settings)
+        cache_differs = not _same_cache(cache, self.cache)
         self.displaced.append((settings if settings_differ else None, cache if cache_differs else None))
         if settings_differ:
             _apply(self.settings)
