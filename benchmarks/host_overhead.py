@@ -13,7 +13,11 @@ batch 2 x 16 tokens) and, to show it is host time and not FLOPs, at a compute-bo
 * ``full / titan-full``        torchtitan's full AC (``checkpoint_wrapper``, :func:`hyperac.peers.apply_titan_full`);
 * ``selective / titan-sel``, ``selective-even / titan-sel``, ``pointwise / titan-sel``  torchtitan's selective
   AC through torch's public SAC API (:func:`hyperac.peers.apply_titan_selective`);
-* ``swap / none``              on CPU swap keeps tensors where they are: its bookkeeping only.
+* ``swap / none``              on CPU swap keeps tensors where they are: its bookkeeping only;
+* ``auto-plan / none``         an ``auto`` plan applied from a fixed plan file (``host_overhead_plan.json``: two
+  layers ``full``, one each ``selective``, ``selective-even`` and ``pointwise``, three ``off``), as a plan made
+  on one machine is applied on another; no peer does the same, so it is compared across trees (run this
+  script with another checkout's ``hyperac`` on ``PYTHONPATH``).
 
 Each round runs every configuration once, in a shuffled order, an untimed step before each timed one;
 the report is the median over rounds of each comparison's per-round ratio and of its per-round
@@ -41,6 +45,7 @@ import argparse
 import collections
 import copy
 import functools
+import json
 import os
 import random
 import statistics
@@ -64,7 +69,9 @@ GEOMETRIES = {
 LAYERS, BATCH = 8, 2
 HYPERAC_MODES = ("off", "full", "selective", "selective-even", "pointwise", "swap")
 COMPARISONS = (("off", "none"), ("full", "hf-full"), ("full", "titan-full"), ("selective", "titan-sel"),
-               ("selective-even", "titan-sel"), ("pointwise", "titan-sel"), ("swap", "none"))
+               ("selective-even", "titan-sel"), ("pointwise", "titan-sel"), ("swap", "none"), ("auto-plan", "none"))
+PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_overhead_plan.json")
+"""The fixed plan ``auto-plan`` applies (the layers of :func:`build`'s model)."""
 PEER_APPLY: dict[str, Callable[[nn.Module], None]] = {
     "none": lambda model: None,
     "hf-full": peers.apply_hf_checkpointing,
@@ -96,6 +103,9 @@ def configurations(base: nn.Module) -> dict[str, nn.Module]:
         for mode in HYPERAC_MODES:
             models[mode] = copy.deepcopy(base)
             hyperac.apply(models[mode], mode=mode, backend="cpu")
+    models["auto-plan"] = copy.deepcopy(base)
+    with open(PLAN_FILE) as plan:
+        hyperac.apply(models["auto-plan"], plan=json.load(plan), backend="cpu")
     return models
 
 

@@ -13,7 +13,10 @@ mechanism). Where each guarantee and its cost are written down:
 * random_sources.py  NOTE [RNG trackers], NOTE [Kept ops that draw random numbers]: every random source a
                      region drew from is replayed.
 * replay_context.py  NOTE [The forward's context in the replay]: parametrize caching, default dtype,
-                     deterministic algorithms, SDPA kernels.
+                     deterministic algorithms, SDPA kernels; how the flags are read: NOTE [Torch's flags read
+                     as memory].
+* memory.py          the process's memory as words, where the checks above read what probes found in one C
+                     call (dict versions, torch's flags).
 * buffers.py         NOTE [Buffers in the replay], NOTE [Non-persistent buffers are held, not copied]: buffer
                      updates happen once, the replay reads the buffers its forward read.
 * region_saves.py    NOTE [One hook pair per region]: one saved-tensor hook pair per region invocation, in one
