@@ -135,7 +135,7 @@ def _sdpa_backends(state: Any) -> list[Any]:
 
 
 _WINDOW = 4096
-"""How many bytes from ``at::globalContext()`` the probe looks through for the flags."""
+"""At most how many bytes from ``at::globalContext()`` the probe looks through for the flags."""
 
 
 class _Words(NamedTuple):
@@ -159,9 +159,9 @@ class _Words(NamedTuple):
                  struct.unpack_from(f"={self.length}i", raw, self.priority)))
 
 
-def _context_address() -> int | None:
-    """``at::globalContext()``'s address, where libtorch exports it (Linux's name for it) and the bytes the probe
-    reads from it are mapped in this process."""
+def _context_address() -> tuple[int, int] | None:
+    """``at::globalContext()``'s address, where libtorch exports it (Linux's name for it), and how many bytes from
+    it (up to :data:`_WINDOW`) are mapped readable in this process."""
     library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     if not sys.platform.startswith("linux") or not os.path.exists(library):
         return None
@@ -170,37 +170,40 @@ def _context_address() -> int | None:
     except (OSError, AttributeError):
         return None
     function.restype, function.argtypes = ctypes.c_void_p, []
-    address = function()
+    address = end = function()
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                start, end = (int(part, 16) for part in line.split()[0].split("-"))
-                if start <= address and address + _WINDOW <= end and line.split()[1].startswith("r"):
-                    return address
+            for line in maps:  # in order of address: the readable mappings from the object's on, while contiguous
+                span, permissions = line.split()[:2]
+                start, stop = (int(part, 16) for part in span.split("-"))
+                if start <= end < stop and permissions.startswith("r"):
+                    end = stop
     except (OSError, ValueError):
         return None
-    return None
+    return (address, min(end - address, _WINDOW)) if end > address else None
 
 
-def _moved(address: int, flip: Any, back: Any) -> list[int]:
-    """The offsets of the bytes from ``address`` that ``flip()`` moves and ``back()`` moves back."""
-    before = ctypes.string_at(address, _WINDOW)
+def _moved(address: int, window: int, flip: Any, back: Any) -> list[int]:
+    """The offsets of the bytes in ``window`` bytes from ``address`` that ``flip()`` moves and ``back()`` moves
+    back."""
+    before = ctypes.string_at(address, window)
     flip()
     try:
-        after = ctypes.string_at(address, _WINDOW)
+        after = ctypes.string_at(address, window)
     finally:
         back()
-    if ctypes.string_at(address, _WINDOW) != before:
+    if ctypes.string_at(address, window) != before:
         return []
-    return [at for at in range(_WINDOW) if before[at] != after[at]]
+    return [at for at in range(window) if before[at] != after[at]]
 
 
 def _context_words() -> _Words | None:
     """Where the flags lie in ``at::globalContext()``, found and checked (NOTE [Torch's flags read as memory]),
     or None."""
-    address = _context_address() if _FLAGS is not None else None
-    if address is None:
+    found_at = _context_address() if _FLAGS is not None else None
+    if found_at is None:
         return None
+    address, window = found_at
     C = torch._C
     try:
         deterministic, warn_only = C._get_deterministic_algorithms(), C._get_deterministic_algorithms_warn_only()
@@ -215,8 +218,8 @@ def _context_words() -> _Words | None:
         set_order = C._set_sdp_priority_order
         orders = [(functools.partial(set_order, other), functools.partial(set_order, order))
                   for other in (order[1:] + order[:1], order[::-1])]
-        found = [_moved(address, flip, back) for flip, back in flips]
-        moved = _moved(address, *orders[0])  # a rotation: every entry moves
+        found = [_moved(address, window, flip, back) for flip, back in flips]
+        moved = _moved(address, window, *orders[0])  # a rotation: every entry moves
         if any(len(offsets) != 1 for offsets in found) or not moved:
             return None
         singles = [address + offsets[0] for offsets in found]
