@@ -413,6 +413,16 @@ def _probe_sdpa_backends() -> str | None:
     return None if attention._cur_sdpa_kernel_backends(True) == backends else "sdpa backends do not round-trip"
 
 
+def _probe_context_flags() -> str | None:
+    from .replay import memory, replay_context
+
+    words = replay_context._WORDS
+    flags = replay_context._flags()  # the getters, which the context calls where the probe found no bytes
+    if words is not None and words.decode(words.read(memory.MEMORY)) != flags:
+        return "the bytes found for the deterministic and attention kernels' flags no longer read as their getters"
+    return None
+
+
 def _probe_saved_tensor_hook_stack() -> str | None:
     seen = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -523,6 +533,10 @@ PRIVATE_TORCH: dict[str, tuple[str, Callable[[], str | None]]] = {
         "replay_context.py (a replay under the forward's parametrize.cached())", _probe_parametrize_cache),
     "torch.nn.attention._cur_sdpa_kernel_backends, _sdpa_kernel": (
         "replay_context.py (a replay under the forward's SDPA kernels)", _probe_sdpa_backends),
+    "at::globalContext() (libtorch's symbol) and its deterministic and attention-kernel fields' bytes, read as "
+    "memory where found; torch._C's getters and setters of those flags": (
+        "replay_context.py (a replay under the forward's flags; NOTE [Torch's flags read as memory])",
+        _probe_context_flags),
     "torch._C._autograd saved-tensors hook stack (_top/_push/_pop), _get_sequence_nr, Node._sequence_nr": (
         "replay_check.py (full-mode replay fingerprint)", _probe_saved_tensor_hook_stack),
     "torch.utils.checkpoint: the frame in the unpack hook's closure, _CheckpointFrame's per-backward state, "

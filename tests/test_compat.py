@@ -195,7 +195,7 @@ def test_every_private_torch_piece_is_probed_and_present():
     names = " ".join(_compat.PRIVATE_TORCH)
     for piece in ("_disable_dynamo", "_should_skip_dynamo", "ignore_compile_internals", "_forward_hooks", "_buffers",
                   "Tensor._base", "_local_scalar_dense", "_storage_Use_Count", "_detach_helper", "set_eval_frame",
-                  "OpOverload._op", "_disable_side_effect_safety_checks_for_current_subtracer"):
+                  "OpOverload._op", "_disable_side_effect_safety_checks_for_current_subtracer", "globalContext"):
         assert piece in names, piece
 
 
@@ -218,6 +218,17 @@ _HOOK_TABLES = ("nn.Module._forward_pre_hooks, _forward_hooks (read), their with
 ])
 def test_a_changed_private_piece_is_reported(monkeypatch, name, breaks):
     breaks(monkeypatch)
+    assert name in _compat.probe_private_torch()
+
+
+def test_flags_whose_bytes_no_longer_read_as_their_getters_are_reported(monkeypatch):
+    """NOTE [Torch's flags read as memory]: where the bytes found no longer hold the flags (here the priority
+    order read one entry off), the table says so."""
+    from hyperac.replay import replay_context
+
+    monkeypatch.setattr(replay_context, "_WORDS", replay_context._WORDS._replace(
+        priority=replay_context._WORDS.priority + 4))
+    name = next(piece for piece in _compat.PRIVATE_TORCH if "globalContext" in piece)
     assert name in _compat.probe_private_torch()
 
 
