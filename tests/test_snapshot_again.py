@@ -303,6 +303,21 @@ def test_without_dict_versions_every_invocation_walks(monkeypatch):
     assert snapshots.kept is None
 
 
+@pytest.mark.parametrize("count", [0, 1, 2, 5])
+def test_a_witness_of_any_number_of_dicts_seals_holds_and_sees_each_written(count):
+    """One dict is one word read (memory.reader reads it twice): a witness of it seals and holds as one of many."""
+    tables = [{"key": index} for index in range(count)]
+    witness = python_state._Witness()
+    for table in tables:
+        witness.stamp(table)
+    assert witness.seal() and witness.holds(None)
+    for table in tables:
+        table["key"] = -1
+        assert not witness.holds(None)
+        table["key"] = object()
+        assert not witness.holds(None)
+
+
 def test_other_non_tensor_arguments_walk_anew():
     layer = Reaching()
     snapshots = Snapshots()

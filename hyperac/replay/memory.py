@@ -23,5 +23,6 @@ MEMORY: Any = (ctypes.c_uint64 * (sys.maxsize // 8)).from_address(0)
 
 
 def reader(words: Sequence[int]) -> Callable[[Any], tuple[int, ...]]:
-    """What reads the words at ``words`` (indexes into :data:`MEMORY`) in one call, as a tuple even of one."""
+    """What reads the words at ``words`` (indexes into :data:`MEMORY`) in one call, as a tuple: of one word, that
+    word twice (an ``itemgetter`` of one index returns the value itself)."""
     return operator.itemgetter(*words, *words[:1]) if len(words) == 1 else operator.itemgetter(*words)
