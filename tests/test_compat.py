@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import pathlib
+import sys
 import warnings
 
 import pytest
@@ -226,6 +227,8 @@ def test_flags_whose_bytes_no_longer_read_as_their_getters_are_reported(monkeypa
     order read one entry off), the table says so."""
     from hyperac.replay import replay_context
 
+    if replay_context._WORDS is None and not sys.platform.startswith("linux"):
+        pytest.skip("the flags are read as memory on Linux only (elsewhere through their getters)")
     monkeypatch.setattr(replay_context, "_WORDS", replay_context._WORDS._replace(
         priority=replay_context._WORDS.priority + 4))
     name = next(piece for piece in _compat.PRIVATE_TORCH if "globalContext" in piece)

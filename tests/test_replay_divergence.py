@@ -13,6 +13,7 @@ import collections
 import copy
 import dataclasses
 import gc
+import itertools
 import random
 import types
 import weakref
@@ -235,6 +236,52 @@ def test_draws_from_the_global_python_and_numpy_generators_are_replayed_and_leav
     actual, applied_python_state, applied_numpy_draw = seeded_train(model)
     assert differences(expected, actual) == []
     assert (applied_python_state, applied_numpy_draw) == (python_state, numpy_draw)
+
+
+class OwnAndGlobalDraws(nn.Module):
+    """Scales by a draw from numpy's global generator and one from a ``RandomState`` of its own."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+        self.generator = pytest.importorskip("numpy").random.RandomState(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(pytest.importorskip("numpy").random.rand()) + float(self.generator.rand())
+        return torch.tanh(self.linear(x) * scale)
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_numpy_generators_given_new_bit_generators_between_forward_and_backward_replay_what_the_forward_drew(mode):
+    """NOTE [Generators read as bytes]: ``np.random.set_bit_generator`` and a ``RandomState``'s ``__init__`` give it
+    another MT19937 (the old one freed, its memory reused here); the replay draws what the forward drew."""
+    numpy = pytest.importorskip("numpy")
+    original = numpy.random.get_bit_generator()
+
+    def seeded_train(model: nn.Module) -> tuple[list, float]:
+        steps = itertools.count()
+
+        def loss_fn(model: nn.Module) -> torch.Tensor:
+            loss, step = _input(model), next(steps)
+            numpy.random.set_bit_generator(numpy.random.MT19937(100 + step))
+            for layer in model.layers:
+                layer.generator.__init__(200 + step)
+            assert [numpy.random.MT19937(1) for _ in range(20)]  # memory the old ones held, reused
+            return loss
+
+        numpy.random.set_bit_generator(numpy.random.MT19937(1))
+        try:
+            return train(model, "plain", loss_fn), numpy.random.rand()
+        finally:
+            numpy.random.set_bit_generator(original)
+
+    torch.manual_seed(0)
+    model = Stack([OwnAndGlobalDraws(seed) for seed in range(2)])
+    expected, draw = seeded_train(copy.deepcopy(model))
+    hyperac.apply(model, mode=mode, backend="cpu", layers="layers")
+    actual, applied_draw = seeded_train(model)
+    assert differences(expected, actual) == []
+    assert applied_draw == draw
 
 
 class Seen:
@@ -711,6 +758,43 @@ def test_a_replay_runs_under_the_attention_kernels_and_default_dtype_its_forward
     before = (torch.nn.attention._cur_sdpa_kernel_backends(True), torch.get_default_dtype())
     _parity(lambda: Stack([SettingsReader() for _ in range(2)]), mode, _settings_loss, layers="layers")
     assert (torch.nn.attention._cur_sdpa_kernel_backends(True), torch.get_default_dtype()) == before
+
+
+class HalfAttention(nn.Module):
+    """Attention in bfloat16, where the math kernel's half-precision reductions change its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, D // 2).permute(2, 0, 3, 1, 4).to(torch.bfloat16)
+        return x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape).float()
+
+
+def _reduced_loss(model: nn.Module) -> torch.Tensor:
+    """The forward with the math kernel's half-precision reductions allowed; the backward runs without."""
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        return model(torch.randn(64, D))
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_a_replay_runs_with_the_half_precision_reductions_its_forward_ran_with(mode):
+    """NOTE [The forward's context in the replay]: ``allow_fp16_bf16_reduction_math_sdp`` around the forward only."""
+    x = torch.randn(1, 2, 64, D // 2, dtype=torch.bfloat16)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        plain = F.scaled_dot_product_attention(x, x, x)
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+        try:
+            reduced = F.scaled_dot_product_attention(x, x, x)
+        finally:
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+        assert not torch.equal(plain, reduced)  # the switch changes the output on this machine
+        _parity(lambda: Stack([HalfAttention() for _ in range(2)]), mode, _reduced_loss, layers="layers")
+    assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
 
 
 class SharedWeights(nn.Module):

@@ -691,14 +691,22 @@ class _Generator(_Entry):
     kept in a form compared by value (bytes, or Python's own state tuple) and set back exactly; read
     as bytes where its layout allows (NOTE [Generators read as bytes])."""
 
-    __slots__ = ("cached", "words")
+    __slots__ = ("bits", "cached", "words")
 
     def __init__(self, target: Any) -> None:
         self.target = target
-        self.words, self.cached = _twister_views(target)
+        self._lay()
         self.values = self.now()
 
+    def _lay(self) -> None:
+        """Lay the byte arrays over the generator's state (NOTE [Generators read as bytes]); ``bits``, a numpy
+        ``RandomState``'s bit generator they lie in (another one, given since, has its state elsewhere)."""
+        self.words, self.cached = _twister_views(self.target)
+        self.bits = None if self.cached is None else self.target._bit_generator
+
     def now(self) -> Any:
+        if self.cached is not None and self.target._bit_generator is not self.bits:
+            self._lay()  # np.random.set_bit_generator(), or __init__ again: the old state may be freed
         if self.words is not None:  # NOTE [Generators read as bytes]
             if self.cached is None:
                 return _TwisterState(self.words.raw, self.target.gauss_next)
@@ -711,7 +719,7 @@ class _Generator(_Entry):
         return pickle.dumps(target.bit_generator.state if hasattr(target, "bit_generator") else target.get_state())
 
     def holds(self, values: Any) -> bool:
-        if self.words is None:
+        if self.words is None or (self.cached is not None and self.target._bit_generator is not self.bits):
             return self.now() == values
         if self.cached is None:
             return self.words.raw == values.words and self.target.gauss_next == values.gauss_next
@@ -772,7 +780,8 @@ def _twister_bytes(generator: random.Random) -> bytes:
 def _twister_views(target: Any) -> tuple[Any, Any]:
     """Byte arrays laid over a Mersenne Twister's words and over a numpy ``RandomState``'s cached Gaussian (None
     for Python's ``random.Random``, whose ``gauss_next`` is an attribute); ``(None, None)`` for a generator read
-    through its state API (NOTE [Generators read as bytes]). ``target`` keeps the bytes they lie over alive."""
+    through its state API (NOTE [Generators read as bytes]). ``target`` keeps the bytes they lie over alive, but for
+    a ``RandomState`` given another bit generator since (:class:`_Generator` lays them anew then)."""
     kind = type(target)
     if kind is random.Random and _twister_bytes_readable():
         return _view(id(target) + object.__basicsize__, _TWISTER_BYTES), None

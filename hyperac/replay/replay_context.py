@@ -13,8 +13,10 @@ replay computes:
   entries it held (the same tensors, whose graph is the forward's).
 * the default dtype (``torch.set_default_dtype`` around a forward): a tensor the layer creates gets
   another dtype in the replay;
-* deterministic algorithms (``torch.use_deterministic_algorithms``) and the scaled-dot-product
-  attention kernels enabled (``torch.nn.attention.sdpa_kernel``): another kernel, other outputs.
+* deterministic algorithms (``torch.use_deterministic_algorithms``, and whether they fill uninitialized
+  memory), the scaled-dot-product attention kernels enabled (``torch.nn.attention.sdpa_kernel``) and
+  whether the math kernel may reduce in half precision (``allow_fp16_bf16_reduction_math_sdp``): another
+  kernel, other outputs.
 
 Each is read as the region's forward starts (most in one C call, NOTE [Torch's flags read as memory], and
 a shallow copy of the parametrize cache while it is enabled) and set, where it differs, for the duration
@@ -55,16 +57,26 @@ def _decoded(settings: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _flags() -> tuple[Any, ...]:
-    """Deterministic algorithms (and warn only), and the attention kernels' state, through their getters."""
+    """Deterministic algorithms (and warn only), the other switches (:data:`_SWITCHES`) and the attention kernels'
+    state, through their getters."""
     return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-            _sdpa_state())
+            tuple(getter() for getter, _ in _SWITCHES), _sdpa_state())
 
 
 def _apply(settings: tuple[Any, ...]) -> None:
-    dtype, (deterministic, warn_only, sdpa) = _decoded(settings)
+    dtype, (deterministic, warn_only, switches, sdpa) = _decoded(settings)
     torch.set_default_dtype(dtype)
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    for (_, setter), value in zip(_SWITCHES, switches):
+        setter(value)
     attention._sdpa_kernel(_sdpa_backends(sdpa), set_priority=True)
+
+
+_SWITCHES = tuple((getattr(torch._C, f"_get_{name}"), getattr(torch._C, f"_set_{name}")) for name in (
+    "deterministic_fill_uninitialized_memory", "math_sdp_allow_fp16_bf16_reduction")
+    if hasattr(torch._C, f"_get_{name}") and hasattr(torch._C, f"_set_{name}"))
+"""The getter and setter of each other switch a replay runs under, where this torch has it: whether deterministic
+algorithms fill uninitialized memory, whether the math attention kernel may reduce in half precision."""
 
 
 # NOTE [SDPA kernels read as flags]
@@ -119,10 +131,11 @@ def _sdpa_backends(state: Any) -> list[Any]:
 
 
 # NOTE [Torch's flags read as memory]
-# Even as flags (NOTE [SDPA kernels read as flags]), the settings are nine getter calls (deterministic
-# algorithms, warn only, five kernels' flags, the priority order), twice per layer invocation: about 15 us per
-# layer in a host-bound step (benchmarks/host_overhead.py), though each getter returns a byte: every call's
-# code has left the caches since the last layer. All of them are fields of one C++ object next to one another
+# Even as flags (NOTE [SDPA kernels read as flags]), the settings are eleven getter calls (deterministic
+# algorithms, warn only, filling uninitialized memory, the math kernel's half-precision reductions, five kernels'
+# flags, the priority order), twice per layer invocation. Nine of them cost about 15 us per layer in a
+# host-bound step (benchmarks/host_overhead.py), though each getter returns a byte: every call's code has
+# left the caches since the last layer. All of them are fields of one C++ object next to one another
 # (``at::globalContext()``, ATen/Context.h). So where a probe finds them there, the context reads the few 8-byte
 # words that hold them (memory.py) in one C call, and compares those words. Words that differ (a flag changed,
 # or a neighbour in the same words did) are decoded into the flags and compared again, and set back through
@@ -140,12 +153,13 @@ _WINDOW = 4096
 
 class _Words(NamedTuple):
     """Where the flags lie (NOTE [Torch's flags read as memory]): the words :attr:`read` reads, and the byte
-    offsets in them of the deterministic flags, each kernel's flag (in :data:`_FLAGS`' order) and the first
-    priority entry."""
+    offsets in them of the deterministic flags, the other switches (:data:`_SWITCHES`), each kernel's flag (in
+    :data:`_FLAGS`' order) and the first priority entry."""
 
     read: Any
     deterministic: int
     warn_only: int
+    switches: tuple[int, ...]
     kernels: tuple[int, ...]
     priority: int
     length: int
@@ -154,19 +168,19 @@ class _Words(NamedTuple):
     def decode(self, words: tuple[int, ...]) -> tuple[Any, ...]:
         """:func:`_flags`' value, from the words read."""
         raw = struct.pack(f"={len(words)}Q", *words)
-        return (raw[self.deterministic] != 0, raw[self.warn_only] != 0,
+        return (raw[self.deterministic] != 0, raw[self.warn_only] != 0, tuple(raw[at] != 0 for at in self.switches),
                 (tuple(raw[at] != 0 for at in self.kernels),
                  struct.unpack_from(f"={self.length}i", raw, self.priority)))
 
 
 def _context_address() -> tuple[int, int] | None:
-    """``at::globalContext()``'s address, where libtorch exports it (Linux's name for it), and how many bytes from
-    it (up to :data:`_WINDOW`) are mapped readable in this process."""
+    """``at::globalContext()``'s address, where the libtorch this process loaded exports it (Linux's name for it),
+    and how many bytes from it (up to :data:`_WINDOW`) are mapped readable in this process."""
     library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     if not sys.platform.startswith("linux") or not os.path.exists(library):
         return None
-    try:
-        function = ctypes.CDLL(library)._ZN2at13globalContextEv
+    try:  # only the library this process has loaded (never a second copy of it)
+        function = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)._ZN2at13globalContextEv
     except (OSError, AttributeError):
         return None
     function.restype, function.argtypes = ctypes.c_void_p, []
@@ -212,8 +226,10 @@ def _context_words() -> _Words | None:
                   lambda: C._set_deterministic_algorithms(deterministic, warn_only=warn_only)),
                  (lambda: C._set_deterministic_algorithms(deterministic, warn_only=not warn_only),
                   lambda: C._set_deterministic_algorithms(deterministic, warn_only=warn_only))]
-        for name, getter in zip(attention._backend_names, _FLAGS):  # type: ignore[arg-type]
-            setter, value = getattr(C, f"_set_sdp_use_{name}"), getter()
+        kernels = [(getter, getattr(C, f"_set_sdp_use_{name}"))
+                   for name, getter in zip(attention._backend_names, _FLAGS)]  # type: ignore[arg-type]
+        for getter, setter in [*_SWITCHES, *kernels]:
+            value = getter()
             flips.append((functools.partial(setter, not value), functools.partial(setter, value)))
         set_order = C._set_sdp_priority_order
         orders = [(functools.partial(set_order, other), functools.partial(set_order, order))
@@ -225,8 +241,10 @@ def _context_words() -> _Words | None:
         singles = [address + offsets[0] for offsets in found]
         priority = address + moved[0] // 4 * 4
         first, last = min(*singles, priority) // 8, max(*singles, priority + 4 * len(order) - 1) // 8
-        words = _Words(reader(range(first, last + 1)), singles[0] - 8 * first, singles[1] - 8 * first,
-                       tuple(at - 8 * first for at in singles[2:]), priority - 8 * first, len(order))
+        offsets = [at - 8 * first for at in singles]
+        switches = 2 + len(_SWITCHES)
+        words = _Words(reader(range(first, last + 1)), offsets[0], offsets[1], tuple(offsets[2:switches]),
+                       tuple(offsets[switches:]), priority - 8 * first, len(order))
         return words if all(_decodes(words, flip, back) for flip, back in [(_none, _none), *flips, *orders]) else None
     except (AttributeError, TypeError, RuntimeError, struct.error):
         return None
