@@ -23,6 +23,20 @@ MEMORY: Any = (ctypes.c_uint64 * (sys.maxsize // 8)).from_address(0)
 
 
 def reader(words: Sequence[int]) -> Callable[[Any], tuple[int, ...]]:
-    """What reads the words at ``words`` (indexes into :data:`MEMORY`) in one call, as a tuple: of one word, that
-    word twice (an ``itemgetter`` of one index returns the value itself)."""
-    return operator.itemgetter(*words, *words[:1]) if len(words) == 1 else operator.itemgetter(*words)
+    """What reads the words at ``words`` (indexes into :data:`MEMORY`, at least one) in one call, as a tuple of one
+    value per word (an ``itemgetter`` of one index returns the value itself, not a tuple)."""
+    if len(words) == 1:
+        return _OneWord(words[0])
+    return operator.itemgetter(*words)
+
+
+class _OneWord:
+    """:func:`reader` of one word."""
+
+    __slots__ = ("word",)
+
+    def __init__(self, word: int) -> None:
+        self.word = word
+
+    def __call__(self, memory: Any) -> tuple[int]:
+        return (memory[self.word],)

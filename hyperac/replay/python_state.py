@@ -970,8 +970,8 @@ class _Witness:
         """Fix what :meth:`holds` reads; False where a version moved while the snapshot was taken."""
         if self.held:
             self.read = reader(self._words())
-        now, expected = self.read(MEMORY), tuple(self.versions)
-        if now != (expected * 2 if len(expected) == 1 else expected):  # one word is read twice (memory.reader)
+        now = self.read(MEMORY)
+        if now != tuple(self.versions):
             return False
         self.versions = now
         self.flags = tuple(map(_requires_grad, self.parameters))
