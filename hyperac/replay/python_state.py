@@ -770,11 +770,12 @@ def _twister_bytes_readable() -> bool:
         return False
     probe = random.Random(12345)
     probe.random()
-    return _TwisterState(_twister_bytes(probe), None).python_state() == probe.getstate()
+    return _TwisterState(_twister_view(probe).raw, None).python_state() == probe.getstate()
 
 
-def _twister_bytes(generator: random.Random) -> bytes:
-    return ctypes.string_at(id(generator) + object.__basicsize__, _TWISTER_BYTES)
+def _twister_view(generator: random.Random) -> Any:
+    """A byte array over a ``random.Random``'s index and words, right after its object header."""
+    return _view(id(generator) + object.__basicsize__, _TWISTER_BYTES)
 
 
 def _twister_views(target: Any) -> tuple[Any, Any]:
@@ -784,7 +785,7 @@ def _twister_views(target: Any) -> tuple[Any, Any]:
     a ``RandomState`` given another bit generator since (:class:`_Generator` lays them anew then)."""
     kind = type(target)
     if kind is random.Random and _twister_bytes_readable():
-        return _view(id(target) + object.__basicsize__, _TWISTER_BYTES), None
+        return _twister_view(target), None
     bits = _legacy_twister(target)
     if bits is None:
         return None, None
